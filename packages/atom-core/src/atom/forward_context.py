@@ -1,0 +1,122 @@
+"""The host-neutral description of one forward step (DESIGN.md §3).
+
+Every host (native engine, vLLM, SGLang) fills the same `AttentionMetadata`; the
+attention layers read it through `get_forward_context()` and never learn which host
+runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Paged-attention description of a batch; decodes come first.
+
+    query_start_loc: [B+1] int32, cumulative new-token counts per sequence.
+    seq_lens:        [B] int32, cached context + new tokens per sequence.
+    block_table:     [B, max_blocks] int32, KV page ids per sequence.
+    slot_mapping:    [T] int64, cache slot of each new token (-1: padding, not written).
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    num_decode_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    # Host-side copies so reference kernels can loop without device syncs.
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_seqs - self.num_decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def host_query_start_loc(self) -> list[int]:
+        src = self.query_start_loc_cpu if self.query_start_loc_cpu is not None else self.query_start_loc
+        return src.tolist()
+
+    def host_seq_lens(self) -> list[int]:
+        src = self.seq_lens_cpu if self.seq_lens_cpu is not None else self.seq_lens
+        return src.tolist()
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Builds metadata from Python lists; decode rows (query len 1) must come first."""
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        width = max((len(b) for b in block_tables), default=0) or 1
+        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for i, blocks in enumerate(block_tables):
+            if blocks:
+                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        qsl_cpu = torch.tensor(starts, dtype=torch.int32)
+        seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        return AttentionMetadata(
+            query_start_loc=qsl_cpu.to(device),
+            seq_lens=seq_cpu.to(device),
+            block_table=table.to(device),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_cpu,
+        )
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None = None
+    # Host-specific extras (e.g. a vLLM or SGLang batch object) that a host's own
+    # AttentionImpl may need; ATOM's layers never read them.
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+_EMPTY = ForwardContext()
+_current: ForwardContext = _EMPTY
+
+
+def get_forward_context() -> ForwardContext:
+    return _current
+
+
+@contextmanager
+def set_forward_context(
+    attn_metadata: AttentionMetadata | None, **extras: Any
+) -> Iterator[ForwardContext]:
+    global _current
+    previous = _current
+    _current = ForwardContext(attn_metadata=attn_metadata, extras=extras)
+    try:
+        yield _current
+    finally:
+        _current = previous

@@ -1,0 +1,84 @@
+"""KernelPolicy: which implementation (aiter, triton, torch) runs each op (DESIGN.md §4).
+
+Every op module registers its implementations with `@register(op, backend)` and calls
+`dispatch(op, device)` in its public function. The torch reference is always present
+and defines what is correct; faster backends are used where the device supports them.
+`ATOM_KERNELS=torch|triton|aiter` forces one backend (falling back to torch for ops that
+backend does not provide).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+
+BACKENDS = ("aiter", "triton", "torch")
+
+_IMPLS: dict[str, dict[str, Callable]] = {}
+
+
+def register(op: str, backend: str) -> Callable[[Callable], Callable]:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+
+    def decorator(fn: Callable) -> Callable:
+        _IMPLS.setdefault(op, {})[backend] = fn
+        _select.cache_clear()
+        return fn
+
+    return decorator
+
+
+def _forced_backend() -> str | None:
+    value = os.environ.get("ATOM_KERNELS", "").strip().lower()
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"ATOM_KERNELS={value!r} is not one of {BACKENDS}")
+    return value
+
+
+@functools.cache
+def _device_backends(device_type: str) -> tuple[str, ...]:
+    """Backends usable on a device type, fastest first."""
+    if device_type != "cuda":
+        return ("torch",)
+    order = []
+    if torch.version.hip is not None and importlib.util.find_spec("aiter") is not None:
+        order.append("aiter")
+    if importlib.util.find_spec("triton") is not None:
+        order.append("triton")
+    order.append("torch")
+    return tuple(order)
+
+
+@functools.cache
+def _select(op: str, device_type: str, forced: str | None) -> Callable:
+    impls = _IMPLS.get(op)
+    if not impls:
+        raise KeyError(f"no kernel registered for op {op!r}")
+    candidates = _device_backends(device_type)
+    if forced is not None:
+        candidates = tuple(b for b in candidates if b == forced) + ("torch",)
+    for backend in candidates:
+        if backend in impls:
+            return impls[backend]
+    raise KeyError(f"op {op!r} has no implementation for device {device_type!r}")
+
+
+def dispatch(op: str, device: torch.device) -> Callable:
+    return _select(op, device.type, _forced_backend())
+
+
+def selected_backend(op: str, device: torch.device | str) -> str:
+    """Name of the backend `dispatch` would pick (for logs and tests)."""
+    fn = dispatch(op, torch.device(device))
+    return next(name for name, impl in _IMPLS[op].items() if impl is fn)
+
+
+def registered_ops() -> dict[str, tuple[str, ...]]:
+    return {op: tuple(impls) for op, impls in sorted(_IMPLS.items())}

@@ -1,0 +1,103 @@
+"""The one registry of supported architectures (DESIGN.md §2).
+
+Each entry maps a HF `architectures[0]` name to the ATOM model class (imported lazily)
+and declares what the hosts need to know: attention kind, MoE, quantization formats and
+which hosts may serve it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+QUANT_FORMATS = ("fp8-per-tensor", "fp8-block", "compressed-tensors-fp8")
+ALL_HOSTS = ("atom", "vllm", "sglang")
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    architecture: str
+    module: str
+    class_name: str
+    family: str
+    attention: str = "MHA"  # "MHA" (incl. GQA/MQA) or "MLA"
+    moe: bool = False
+    quant: tuple[str, ...] = QUANT_FORMATS
+    hosts: tuple[str, ...] = ALL_HOSTS
+
+    @property
+    def class_path(self) -> str:
+        """`module:Class`, the lazy form hosts register."""
+        return f"{self.module}:{self.class_name}"
+
+    def load_class(self) -> type:
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+_ENTRIES = (
+    ModelEntry("LlamaForCausalLM", "atom.models.llama", "LlamaForCausalLM", "Llama 2 / 3.x"),
+    ModelEntry("Qwen3ForCausalLM", "atom.models.qwen3", "Qwen3ForCausalLM", "Qwen3"),
+    ModelEntry(
+        "Qwen3MoeForCausalLM", "atom.models.qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", moe=True
+    ),
+    ModelEntry(
+        "MixtralForCausalLM",
+        "atom.models.mixtral",
+        "MixtralForCausalLM",
+        "Mixtral",
+        moe=True,
+        hosts=("atom", "vllm"),
+    ),
+    ModelEntry(
+        "DeepseekV2ForCausalLM",
+        "atom.models.deepseek_v2",
+        "DeepseekV2ForCausalLM",
+        "DeepSeek-V2",
+        attention="MLA",
+        moe=True,
+    ),
+    ModelEntry(
+        "DeepseekV3ForCausalLM",
+        "atom.models.deepseek_v2",
+        "DeepseekV3ForCausalLM",
+        "DeepSeek-V3",
+        attention="MLA",
+        moe=True,
+    ),
+)
+
+_BY_ARCH = {entry.architecture: entry for entry in _ENTRIES}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def all_models() -> list[ModelEntry]:
+    return list(_ENTRIES)
+
+
+def supported_architectures(host: str | None = None) -> list[str]:
+    return [e.architecture for e in _ENTRIES if host is None or host in e.hosts]
+
+
+def get_entry(architecture: str) -> ModelEntry:
+    try:
+        return _BY_ARCH[architecture]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported by ATOM; supported: "
+            + ", ".join(supported_architectures())
+        ) from None
+
+
+def resolve_model_class(architectures: list[str]) -> tuple[type, ModelEntry]:
+    """The ATOM class for the first supported name in a HF `architectures` list."""
+    for arch in architectures:
+        if arch in _BY_ARCH:
+            entry = _BY_ARCH[arch]
+            return entry.load_class(), entry
+    raise UnsupportedArchitectureError(
+        f"architectures {architectures} are not supported by ATOM; supported: "
+        + ", ".join(supported_architectures())
+    )
