@@ -50,7 +50,11 @@ class AttentionMetadata:
         return self.slot_mapping.shape[0]
 
     def host_query_start_loc(self) -> list[int]:
-        src = self.query_start_loc_cpu if self.query_start_loc_cpu is not None else self.query_start_loc
+        src = (
+            self.query_start_loc_cpu
+            if self.query_start_loc_cpu is not None
+            else self.query_start_loc
+        )
         return src.tolist()
 
     def host_seq_lens(self) -> list[int]:

@@ -1,0 +1,51 @@
+"""ATOM's own AttentionImpl: write the new K/V into the paged cache, then one kernel."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.forward_context import get_forward_context
+from atom.kernels import paged_attention, write_kv_cache
+from atom.layers.attention import AttentionSpec
+
+
+class NativeAttentionImpl(nn.Module):
+    """KV cache layout: key/value [num_blocks, block_size, num_kv_heads, head_dim].
+
+    The engine binds the caches with `bind_kv_cache` after it has sized the pool.
+    """
+
+    def __init__(self, spec: AttentionSpec):
+        super().__init__()
+        self.spec = spec
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        s = self.spec
+        return [
+            (num_blocks, block_size, s.num_kv_heads, s.head_dim),
+            (num_blocks, block_size, s.num_kv_heads, s.v_head_dim),
+        ]
+
+    def bind_kv_cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        self.key_cache, self.value_cache = key_cache, value_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        metadata = get_forward_context().attn_metadata
+        if metadata is None or self.key_cache is None:
+            raise RuntimeError(
+                f"{self.spec.layer_name}: attention needs a KV cache and step metadata "
+                "(run the model under atom.forward_context.set_forward_context)"
+            )
+        write_kv_cache(k, v, self.key_cache, self.value_cache, metadata.slot_mapping)
+        return paged_attention(
+            q,
+            self.key_cache,
+            self.value_cache,
+            metadata,
+            self.spec.scale,
+            sliding_window=self.spec.sliding_window,
+            logits_soft_cap=self.spec.logits_soft_cap,
+        )

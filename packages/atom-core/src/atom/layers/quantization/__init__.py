@@ -1,0 +1,27 @@
+"""Quantization configs: which LinearMethod / MoE method each layer uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atom.layers.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
+from atom.layers.quantization.unquantized import UnquantizedLinearMethod
+
+
+def get_quant_config(hf_config: Any) -> QuantizationConfig | None:
+    """The quantization config a HF `quantization_config` describes (None: unquantized)."""
+    raw = getattr(hf_config, "quantization_config", None)
+    if not raw:
+        return None
+    raw = raw if isinstance(raw, dict) else raw.to_dict()
+    method = raw.get("quant_method")
+    raise ValueError(f"unsupported quantization method {method!r}")
+
+
+__all__ = [
+    "LinearMethod",
+    "QuantizationConfig",
+    "UnquantizedLinearMethod",
+    "get_quant_config",
+    "set_weight_attrs",
+]

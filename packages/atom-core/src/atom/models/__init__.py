@@ -1,0 +1,1 @@
+"""ATOM model implementations; `atom.registry` maps HF architectures onto them."""
