@@ -1,0 +1,124 @@
+"""Builds the model, owns its paged KV cache, and runs one step in the DESIGN.md §3 schema."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atom.config import ModelConfig
+from atom.forward_context import AttentionMetadata, set_forward_context
+from atom.layers.quantization import get_quant_config
+from atom.loader import load_model_weights
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    config: ModelConfig, device: torch.device | str, progress: bool = True
+) -> nn.Module:
+    """Instantiates the registry's class for the checkpoint and loads its weights."""
+    model_cls = config.entry.load_class()
+    quant_config = get_quant_config(config.hf_config)
+    with torch.device(device), default_dtype(config.dtype):
+        model = model_cls(config.hf_config, quant_config)
+    load_model_weights(model, config.path, progress=progress)
+    return model.eval()
+
+
+def attention_impls(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "bind_kv_cache")]
+
+
+def allocate_kv_cache(
+    model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device
+) -> int:
+    """Gives every attention layer its cache tensors; returns the bytes allocated."""
+    total = 0
+    for impl in attention_impls(model):
+        tensors = [
+            torch.zeros(shape, dtype=dtype, device=device)
+            for shape in impl.kv_cache_shapes(num_blocks, block_size)
+        ]
+        impl.bind_kv_cache(*tensors)
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    per_element = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for impl in attention_impls(model):
+        for shape in impl.kv_cache_shapes(1, block_size):
+            total += per_element * torch.Size(shape).numel()
+    return total
+
+
+@dataclass
+class StepInput:
+    """One sequence's part of a step: its new tokens, where they start, and its pages."""
+
+    token_ids: list[int]
+    start_position: int  # tokens already in the cache
+    block_table: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device | str):
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+    def prepare(
+        self, batch: list[StepInput]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for item in batch:
+            end = item.start_position + len(item.token_ids)
+            if -(-end // self.block_size) > len(item.block_table):
+                raise ValueError(
+                    f"block table of {len(item.block_table)} pages cannot hold {end} tokens"
+                )
+            input_ids += item.token_ids
+            for pos in range(item.start_position, end):
+                positions.append(pos)
+                slots.append(
+                    item.block_table[pos // self.block_size] * self.block_size
+                    + pos % self.block_size
+                )
+        metadata = AttentionMetadata.build(
+            query_lens=[len(item.token_ids) for item in batch],
+            seq_lens=[item.start_position + len(item.token_ids) for item in batch],
+            block_tables=[item.block_table for item in batch],
+            slot_mapping=slots,
+            device=self.device,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return ids, pos, metadata
+
+    @torch.inference_mode()
+    def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:
+        """Logits [B, vocab] of each sequence's last new token, or [T, vocab] for all of them.
+
+        Decode rows (one new token) must come before prefill rows.
+        """
+        input_ids, positions, metadata = self.prepare(batch)
+        with set_forward_context(metadata):
+            hidden = self.model(input_ids, positions)
+        if not all_positions:
+            hidden = hidden[metadata.query_start_loc[1:].long() - 1]
+        return self.model.compute_logits(hidden).float()
