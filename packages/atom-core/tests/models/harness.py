@@ -60,7 +60,13 @@ def make_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[lis
 class PagedModel:
     """An ATOM model with a KV pool whose pages are handed out in shuffled order."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype = torch.float32, block_size: int = 4, num_blocks: int = 256):
+    def __init__(
+        self,
+        folder: Path,
+        dtype: torch.dtype = torch.float32,
+        block_size: int = 4,
+        num_blocks: int = 256,
+    ):
         self.config = ModelConfig.from_pretrained(folder, dtype=dtype)
         self.model = build_model(self.config, "cpu", progress=False)
         allocate_kv_cache(self.model, num_blocks, block_size, dtype, "cpu")
@@ -100,7 +106,9 @@ def check_against_hf(
         expected = hf_logits(hf, seq)[positions]
         diff = (atom_logits - expected).abs().max().item()
         worst = max(worst, diff)
-        assert diff <= atol, f"logits differ by {diff} (> {atol}) for a sequence of {len(seq)} tokens"
+        assert diff <= atol, (
+            f"logits differ by {diff} (> {atol}) for a sequence of {len(seq)} tokens"
+        )
 
     start = [0] * len(seqs)
     if cached_prefix:
@@ -131,7 +139,9 @@ def logits_to_next(logits: torch.Tensor, query_lens: list[int]) -> list[int]:
     return logits[ends].argmax(-1).tolist()
 
 
-def check_greedy_generation(folder: Path, prompt_lengths: list[int], max_new_tokens: int = 16) -> None:
+def check_greedy_generation(
+    folder: Path, prompt_lengths: list[int], max_new_tokens: int = 16
+) -> None:
     """ATOM's greedy tokens (batched, paged) equal HF `generate` token for token."""
     from atom import LLM, SamplingParams
 
