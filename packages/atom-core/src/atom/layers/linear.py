@@ -20,6 +20,8 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.data.numel() == loaded.numel() == 1:
+        loaded = loaded.reshape(param.data.shape)  # scalar scales are stored as [] or [1]
     if param.data.shape != loaded.shape:
         raise ValueError(
             f"shape mismatch: parameter {tuple(param.data.shape)} vs checkpoint {tuple(loaded.shape)}"

@@ -15,7 +15,17 @@ def get_quant_config(hf_config: Any) -> QuantizationConfig | None:
         return None
     raw = raw if isinstance(raw, dict) else raw.to_dict()
     method = raw.get("quant_method")
-    raise ValueError(f"unsupported quantization method {method!r}")
+    if method == "fp8":
+        from atom.layers.quantization.fp8 import Fp8Config
+
+        return Fp8Config.from_dict(raw)
+    if method == "compressed-tensors":
+        from atom.layers.quantization.compressed_tensors import CompressedTensorsFp8Config
+
+        return CompressedTensorsFp8Config.from_dict(raw)
+    raise ValueError(
+        f"unsupported quantization method {method!r}; supported: 'fp8', 'compressed-tensors' (FP8)"
+    )
 
 
 __all__ = [

@@ -1,0 +1,188 @@
+"""FP8 (e4m3) linear methods: 128x128 block scales (DeepSeek-V3 style) and per-tensor scales.
+
+Activations are quantized on the fly (per token group of 128 for block weights, per
+tensor for per-tensor weights, or with a checkpoint's static `input_scale`), then one
+scaled GEMM runs with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from atom.kernels.fp8 import (
+    FP8_DTYPE,
+    fp8_scaled_mm,
+    quantize_fp8_per_tensor,
+    quantize_fp8_per_token,
+    quantize_fp8_per_token_group,
+)
+from atom.layers.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
+
+
+def _fp8_weight(layer: nn.Module, rows: int, cols: int, weight_loader: Callable) -> None:
+    weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8_DTYPE), requires_grad=False)
+    layer.register_parameter(
+        "weight", set_weight_attrs(weight, output_dim=0, input_dim=1, weight_loader=weight_loader)
+    )
+
+
+def _flatten(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    return x.reshape(-1, x.shape[-1]), x.shape[:-1]
+
+
+class Fp8BlockLinearMethod(LinearMethod):
+    def __init__(self, block_size: tuple[int, int]):
+        self.block_size = block_size
+
+    def create_weights(
+        self, layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader
+    ):
+        block_n, block_k = self.block_size
+        if len(output_partition_sizes) > 1 and any(n % block_n for n in output_partition_sizes):
+            raise ValueError(
+                f"{layer.prefix}: merged output sizes {output_partition_sizes} must be multiples "
+                f"of the FP8 block size {block_n}"
+            )
+        rows = sum(output_partition_sizes)
+        _fp8_weight(layer, rows, input_size_per_partition, weight_loader)
+        scale = nn.Parameter(
+            torch.empty(
+                -(-rows // block_n), -(-input_size_per_partition // block_k), dtype=torch.float32
+            ),
+            requires_grad=False,
+        )
+        set_weight_attrs(
+            scale, output_dim=0, input_dim=1, shard_block=block_n, weight_loader=weight_loader
+        )
+        layer.register_parameter("weight_scale_inv", scale)
+        layer.params_dtype = params_dtype
+
+    def apply(self, layer, x, bias):
+        x2d, lead = _flatten(x)
+        x_q, x_scale = quantize_fp8_per_token_group(x2d, self.block_size[1])
+        out = fp8_scaled_mm(
+            x_q,
+            x_scale,
+            layer.weight,
+            layer.weight_scale_inv,
+            x.dtype,
+            bias,
+            block_size=self.block_size,
+        )
+        return out.reshape(*lead, -1)
+
+
+class Fp8PerTensorLinearMethod(LinearMethod):
+    """One scale per merged shard in the checkpoint, expanded to per-row scales after loading.
+
+    `per_channel` keeps one scale per output row instead (compressed-tensors "channel").
+    """
+
+    def __init__(self, static_input_scale: bool, per_channel: bool = False):
+        self.static_input_scale = static_input_scale
+        self.per_channel = per_channel
+
+    def create_weights(
+        self, layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader
+    ):
+        rows = sum(output_partition_sizes)
+        _fp8_weight(layer, rows, input_size_per_partition, weight_loader)
+        if self.per_channel:
+            scale = nn.Parameter(torch.empty(rows, 1, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(scale, output_dim=0, weight_loader=weight_loader)
+        else:
+            scale = nn.Parameter(
+                torch.empty(len(output_partition_sizes), dtype=torch.float32), requires_grad=False
+            )
+            set_weight_attrs(scale, per_shard=True, weight_loader=weight_loader)
+        layer.register_parameter("weight_scale", scale)
+        if self.static_input_scale:
+            input_scale = nn.Parameter(
+                torch.empty(len(output_partition_sizes), dtype=torch.float32), requires_grad=False
+            )
+            layer.register_parameter(
+                "input_scale",
+                set_weight_attrs(input_scale, per_shard=True, weight_loader=weight_loader),
+            )
+        layer.params_dtype = params_dtype
+
+    def process_weights_after_loading(self, layer):
+        if self.static_input_scale:
+            layer.input_scale = nn.Parameter(
+                layer.input_scale.max().reshape(1), requires_grad=False
+            )
+        if self.per_channel or layer.weight_scale.numel() == 1:
+            return
+        # Merged shards (q/k/v, gate/up) arrive with their own scales; one scale per
+        # output row keeps them exact in a single GEMM (no lossy requantization).
+        sizes = torch.tensor(layer.output_partition_sizes, device=layer.weight_scale.device)
+        rows = layer.weight_scale.repeat_interleave(sizes).unsqueeze(1)
+        layer.weight_scale = nn.Parameter(rows, requires_grad=False)
+
+    def apply(self, layer, x, bias):
+        x2d, lead = _flatten(x)
+        if self.static_input_scale:
+            x_q, x_scale = quantize_fp8_per_tensor(x2d, layer.input_scale)
+        elif self.per_channel:
+            x_q, x_scale = quantize_fp8_per_token(x2d)
+        else:
+            x_q, x_scale = quantize_fp8_per_tensor(x2d)
+        out = fp8_scaled_mm(x_q, x_scale, layer.weight, layer.weight_scale, x.dtype, bias)
+        return out.reshape(*lead, -1)
+
+
+class _IgnoringConfig(QuantizationConfig):
+    """Shared by FP8 formats: layers named in `ignore` (e.g. lm_head) stay unquantized."""
+
+    def __init__(self, ignored: list[str]):
+        self.ignored = ignored
+
+    def is_ignored(self, prefix: str) -> bool:
+        return any(
+            prefix == name or prefix.endswith("." + name) or name in prefix.split(".")
+            for name in self.ignored
+        )
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        from atom.layers.quantization.unquantized import UnquantizedLinearMethod
+
+        if self.is_ignored(prefix):
+            return UnquantizedLinearMethod()
+        return self.quantized_method(prefix)
+
+    def quantized_method(self, prefix: str) -> LinearMethod:
+        raise NotImplementedError
+
+
+class Fp8Config(_IgnoringConfig):
+    """HF `quant_method: "fp8"`: block scales when `weight_block_size` is set, else per tensor."""
+
+    name = "fp8"
+
+    def __init__(
+        self, weight_block_size: list[int] | None, activation_scheme: str, ignored: list[str]
+    ):
+        super().__init__(ignored)
+        if activation_scheme not in ("dynamic", "static"):
+            raise ValueError(f"unsupported FP8 activation_scheme {activation_scheme!r}")
+        if weight_block_size is not None and activation_scheme != "dynamic":
+            raise ValueError("block-scaled FP8 needs activation_scheme 'dynamic'")
+        self.block_size = tuple(weight_block_size) if weight_block_size else None
+        self.activation_scheme = activation_scheme
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Fp8Config:
+        ignored = raw.get("modules_to_not_convert") or raw.get("ignored_layers") or []
+        return cls(raw.get("weight_block_size"), raw.get("activation_scheme", "dynamic"), ignored)
+
+    @property
+    def format(self) -> str:
+        return "fp8-block" if self.block_size else "fp8-per-tensor"
+
+    def quantized_method(self, prefix: str) -> LinearMethod:
+        if self.block_size:
+            return Fp8BlockLinearMethod(self.block_size)
+        return Fp8PerTensorLinearMethod(static_input_scale=self.activation_scheme == "static")
