@@ -1,0 +1,33 @@
+"""ATOM kernels: one module per op family; each op has a torch reference (see policy.py)."""
+
+from atom.kernels.activation import silu_and_mul
+from atom.kernels.fp8 import (
+    FP8_DTYPE,
+    dequantize_fp8,
+    fp8_scaled_mm,
+    quantize_fp8_per_block,
+    quantize_fp8_per_tensor,
+    quantize_fp8_per_token,
+    quantize_fp8_per_token_group,
+)
+from atom.kernels.kv_cache import write_kv_cache
+from atom.kernels.norm import fused_add_rms_norm, rms_norm
+from atom.kernels.paged_attention import paged_attention
+from atom.kernels.rotary import apply_rotary_emb, compute_cos_sin_cache
+
+__all__ = [
+    "FP8_DTYPE",
+    "apply_rotary_emb",
+    "compute_cos_sin_cache",
+    "dequantize_fp8",
+    "fp8_scaled_mm",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "quantize_fp8_per_block",
+    "quantize_fp8_per_tensor",
+    "quantize_fp8_per_token",
+    "quantize_fp8_per_token_group",
+    "rms_norm",
+    "silu_and_mul",
+    "write_kv_cache",
+]

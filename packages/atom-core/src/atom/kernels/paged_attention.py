@@ -1,0 +1,86 @@
+"""Attention over the paged KV cache for a mixed batch of decodes and prefills (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import torch
+
+from atom.forward_context import AttentionMetadata
+from atom.kernels.policy import dispatch, register
+
+
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` token rows of a sequence's pages: [length, ...]."""
+    num_pages = -(-length // cache.shape[1])
+    return cache[pages[:num_pages].long()].flatten(0, 1)[:length]
+
+
+def attention_mask(
+    query_positions: torch.Tensor, length: int, sliding_window: int | None
+) -> torch.Tensor:
+    """[q, length] True where a query may attend a key (causal, optional sliding window)."""
+    keys = torch.arange(length, device=query_positions.device)
+    allowed = keys[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        allowed &= keys[None, :] > query_positions[:, None] - sliding_window
+    return allowed
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:
+    """q [n, Hq, D], k [m, Hkv, D], v [m, Hkv, Dv], mask [n, m] -> [n, Hq, Dv] (fp32 math)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if logits_soft_cap:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@register("paged_attention", "torch")
+def paged_attention_torch(
+    query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
+):
+    starts = metadata.host_query_start_loc()
+    for i, seq_len in enumerate(metadata.host_seq_lens()):
+        begin, end = starts[i], starts[i + 1]
+        if end == begin:
+            continue
+        pages = metadata.block_table[i]
+        k = gather_pages(key_cache, pages, seq_len)
+        v = gather_pages(value_cache, pages, seq_len)
+        positions = torch.arange(seq_len - (end - begin), seq_len, device=query.device)
+        mask = attention_mask(positions, seq_len, sliding_window)
+        out[begin:end] = dense_attention(query[begin:end], k, v, mask, scale, logits_soft_cap)
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """query [T, Hq, D] against the cached K/V of each sequence -> [T, Hq, Dv].
+
+    The new tokens' K/V must already be in the cache. New token j of a sequence with
+    context c sits at position c + j and sees keys at positions <= c + j (and, with a
+    sliding window w, > c + j - w).
+    """
+    if out is None:
+        out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
+    return dispatch("paged_attention", query.device)(
+        query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
+    )
