@@ -111,14 +111,19 @@ class ModelRunner:
         return ids, pos, metadata
 
     @torch.inference_mode()
-    def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:
-        """Logits [B, vocab] of each sequence's last new token, or [T, vocab] for all of them.
+    def forward(self, batch: list[StepInput]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Hidden states [T, hidden] of every new token, and the step's metadata.
 
         Decode rows (one new token) must come before prefill rows.
         """
         input_ids, positions, metadata = self.prepare(batch)
         with set_forward_context(metadata):
-            hidden = self.model(input_ids, positions)
+            return self.model(input_ids, positions), metadata
+
+    @torch.inference_mode()
+    def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:
+        """Logits [B, vocab] of each sequence's last new token, or [T, vocab] for all of them."""
+        hidden, metadata = self.forward(batch)
         if not all_positions:
             hidden = hidden[metadata.query_start_loc[1:].long() - 1]
         return self.model.compute_logits(hidden).float()

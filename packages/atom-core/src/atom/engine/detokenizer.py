@@ -1,0 +1,41 @@
+"""Incremental detokenization and stop-string matching for one sequence."""
+
+from __future__ import annotations
+
+from atom.engine.sequence import Sequence
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def update(self, seq: Sequence) -> str:
+        """Re-decodes the output and returns the newly finalised text.
+
+        A trailing U+FFFD means a multi-byte character is still incomplete; it is held
+        back until the next token completes it.
+        """
+        if self.tokenizer is None or not seq.params.detokenize:
+            return ""
+        text = self.tokenizer.decode(
+            seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens
+        )
+        if text.endswith("\ufffd") and seq.finish_reason is None:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(seq.text):
+            # Decoding merged across a boundary; keep the already-emitted prefix stable.
+            text = seq.text + text[len(seq.text) :]
+        delta, seq.text = text[len(seq.text) :], text
+        return delta
+
+
+def find_stop_string(seq: Sequence, new_chars: int) -> str | None:
+    """Truncates seq.text at the first stop string that the new text completed."""
+    for stop in seq.params.stop:
+        # Only a window that includes new text can contain a fresh match.
+        window_start = max(0, len(seq.text) - new_chars - len(stop) + 1)
+        cut = seq.text.find(stop, window_start)
+        if cut >= 0:
+            seq.text = seq.text[:cut]
+            return stop
+    return None
