@@ -104,3 +104,11 @@ def test_sequence_too_long_for_cache_is_rejected(checkpoint):
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         llm.generate([[1] * 10], SamplingParams(max_tokens=20), use_tqdm=False)
     assert llm.generate([[1] * 4], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs
+
+
+def test_tensor_parallel_engine_matches_single_process(checkpoint, prompts, hf_greedy):
+    llm = engine(checkpoint, tensor_parallel_size=2)
+    try:
+        assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
+    finally:
+        llm.engine.shutdown()

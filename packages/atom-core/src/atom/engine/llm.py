@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from tqdm.auto import tqdm
 
-from atom.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
+from atom.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from atom.engine.llm_engine import LLMEngine
 from atom.engine.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
@@ -28,6 +30,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
+        tensor_parallel_size: int = 1,
         skip_tokenizer_init: bool = False,
     ):
         model_config = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len)
@@ -42,12 +45,15 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
             ),
+            parallel=ParallelConfig(tensor_parallel_size),
             device=device,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(8192, model_config.max_model_len),
         )
         tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
         self.engine = LLMEngine(config, tokenizer)
+        # Worker processes of a tensor-parallel engine end with the LLM object.
+        weakref.finalize(self, self.engine.shutdown)
 
     @property
     def tokenizer(self):

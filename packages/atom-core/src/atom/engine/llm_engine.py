@@ -8,16 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.config import ConfigError, EngineConfig
+from atom.config import EngineConfig
 from atom.engine.block_manager import BlockManager
 from atom.engine.detokenizer import Detokenizer, find_stop_string
-from atom.engine.model_runner import (
-    ModelRunner,
-    StepInput,
-    allocate_kv_cache,
-    build_model,
-    kv_cache_bytes_per_block,
-)
+from atom.engine.executor import Executor
+from atom.engine.model_runner import StepInput
 from atom.engine.outputs import CompletionOutput, RequestOutput
 from atom.engine.sampler import Sampler
 from atom.engine.scheduler import Scheduler
@@ -50,44 +45,23 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
-        model_config = config.model
-        self.device = torch.device(config.device)
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)
-        self.model = build_model(model_config, self.device)
-        cache = config.cache
-        num_blocks = cache.num_blocks or self._blocks_from_memory()
-        allocate_kv_cache(self.model, num_blocks, cache.block_size, model_config.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.executor = Executor(config)
+        self.model = self.executor.model
+        self.block_manager = BlockManager(
+            self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.runner = ModelRunner(self.model, cache.block_size, self.device)
         self.sampler = Sampler()
-        self.eos_token_ids = _eos_ids(model_config.hf_config, tokenizer)
+        self.eos_token_ids = _eos_ids(config.model.hf_config, tokenizer)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache.block_size)
-
-    def _blocks_from_memory(self) -> int:
-        cache, model_config = self.config.cache, self.config.model
-        per_block = kv_cache_bytes_per_block(self.model, cache.block_size, model_config.dtype)
-        if cache.kv_cache_memory_bytes is not None:
-            budget = cache.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cache.gpu_memory_utilization) - used
-        else:
-            raise ConfigError(
-                "on CPU, set kv_cache_memory_bytes (or num_blocks) to size the KV cache"
-            )
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ConfigError(
-                f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)"
-            )
-        return num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens", self.executor.num_blocks, config.cache.block_size
+        )
 
     # Requests -----------------------------------------------------------------------
 
@@ -162,9 +136,9 @@ class LLMEngine:
             )
             for seq, n in zip(batch.seqs, batch.num_new_tokens)
         ]
-        hidden, metadata = self.runner.forward(inputs)
-        rows, owners = self._logit_rows(batch, metadata.host_query_start_loc())
-        logits = self.model.compute_logits(hidden[rows]).float() if rows else None
+        starts = list(itertools.accumulate((len(x.token_ids) for x in inputs), initial=0))
+        rows, owners = self._logit_rows(batch, starts)
+        logits = self.executor.execute(inputs, rows)
         touched: dict[str, _Request] = {}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq_rows = [r for r, owner in enumerate(owners) if owner[0] == i]
@@ -259,6 +233,9 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
         )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -121,6 +121,14 @@ class ModelRunner:
             return self.model(input_ids, positions), metadata
 
     @torch.inference_mode()
+    def execute(self, batch: list[StepInput], logit_rows: list[int]) -> torch.Tensor | None:
+        """fp32 logits of the given token rows of the step (None when no row is asked)."""
+        hidden, _ = self.forward(batch)
+        if not logit_rows:
+            return None
+        return self.model.compute_logits(hidden[logit_rows]).float()
+
+    @torch.inference_mode()
     def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:
         """Logits [B, vocab] of each sequence's last new token, or [T, vocab] for all of them."""
         hidden, metadata = self.forward(batch)

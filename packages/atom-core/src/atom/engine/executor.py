@@ -1,0 +1,137 @@
+"""Runs model steps in this process, or across a tensor-parallel group of processes.
+
+With tensor_parallel_size N, this process is rank 0 and N-1 worker processes hold the
+other shards. Each step, rank 0 broadcasts the step's inputs over a gloo group; every
+rank runs the same forward, and the layers' collectives (NCCL on GPU, gloo on CPU)
+combine the shards. Only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from atom.config import ConfigError, EngineConfig
+from atom.distributed import SingleProcessGroup, TorchDistributedGroup, set_tp_group
+from atom.engine.model_runner import (
+    ModelRunner,
+    StepInput,
+    allocate_kv_cache,
+    build_model,
+    kv_cache_bytes_per_block,
+)
+
+
+def _rank_device(device: str, rank: int) -> torch.device:
+    return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
+
+
+def _init_group(config: EngineConfig, rank: int, port: int) -> dist.ProcessGroup:
+    """Joins the TP group; returns a gloo group for broadcasting step inputs."""
+    world = config.parallel.tensor_parallel_size
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    set_tp_group(TorchDistributedGroup())
+    return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+class _Shard:
+    """One rank's model, KV cache and runner."""
+
+    def __init__(self, config: EngineConfig, rank: int, progress: bool):
+        self.config = config
+        self.device = _rank_device(config.device, rank)
+        self.model = build_model(config.model, self.device, progress=progress)
+
+    def blocks_from_memory(self) -> int:
+        cache, dtype = self.config.cache, self.config.model.dtype
+        per_block = kv_cache_bytes_per_block(self.model, cache.block_size, dtype)
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * cache.gpu_memory_utilization) - (total - free)
+        else:
+            raise ConfigError(
+                "on CPU, set kv_cache_memory_bytes (or num_blocks) to size the KV cache"
+            )
+        if budget < per_block:
+            raise ConfigError(
+                f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)"
+            )
+        return budget // per_block
+
+    def allocate(self, num_blocks: int) -> ModelRunner:
+        cache = self.config.cache
+        allocate_kv_cache(
+            self.model, num_blocks, cache.block_size, self.config.model.dtype, self.device
+        )
+        return ModelRunner(self.model, cache.block_size, self.device)
+
+
+def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.tensor_parallel_size))
+    control = _init_group(config, rank, port)
+    shard = _Shard(config, rank, progress=False)
+    message = [None]
+    dist.broadcast_object_list(message, src=0, group=control)
+    runner = shard.allocate(message[0])
+    while True:
+        dist.broadcast_object_list(message, src=0, group=control)
+        if message[0] is None:
+            break
+        runner.execute(*message[0])
+    dist.destroy_process_group()
+
+
+class Executor:
+    def __init__(self, config: EngineConfig):
+        self.world_size = config.parallel.tensor_parallel_size
+        self.workers: list[mp.Process] = []
+        if self.world_size > 1:
+            port = _free_port()
+            context = mp.get_context("spawn")
+            self.workers = [
+                context.Process(target=_worker_main, args=(config, rank, port), daemon=True)
+                for rank in range(1, self.world_size)
+            ]
+            for worker in self.workers:
+                worker.start()
+            self.control = _init_group(config, 0, port)
+        shard = _Shard(config, 0, progress=True)
+        self.model = shard.model
+        self.num_blocks = config.cache.num_blocks or shard.blocks_from_memory()
+        self._broadcast(self.num_blocks)
+        self.runner = shard.allocate(self.num_blocks)
+
+    def _broadcast(self, message) -> None:
+        if self.workers:
+            dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def execute(self, inputs: list[StepInput], logit_rows: list[int]) -> torch.Tensor | None:
+        self._broadcast((inputs, logit_rows))
+        return self.runner.execute(inputs, logit_rows)
+
+    def shutdown(self) -> None:
+        if not self.workers:
+            return
+        self._broadcast(None)
+        for worker in self.workers:
+            worker.join(timeout=30)
+        self.workers = []
+        dist.destroy_process_group()
+        set_tp_group(SingleProcessGroup())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
