@@ -51,6 +51,7 @@ def _device_backends(device_type: str) -> tuple[str, ...]:
     if torch.version.hip is not None and importlib.util.find_spec("aiter") is not None:
         order.append("aiter")
     if importlib.util.find_spec("triton") is not None:
+        importlib.import_module("atom.kernels.triton")  # registers the Triton implementations
         order.append("triton")
     order.append("torch")
     return tuple(order)

@@ -1,0 +1,351 @@
+"""Paged attention over the DESIGN.md §3 schema: a split-K decode kernel with a reduction,
+and a tiled prefill kernel (causal, cached prefix, GQA, sliding window, soft cap).
+
+GQA: the query heads that share a KV head are processed together, so every K/V page is
+read once per KV head. Both kernels take their bounds from device tensors, so a captured
+CUDA graph replays them for any sequence lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom.kernels.policy import register
+
+NUM_SPLITS = 16
+BLOCK_N = 64
+
+
+@triton.jit
+def _scores(q, k, scale, soft_cap, USE_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if USE_SOFT_CAP:
+        s = soft_cap * (2 * tl.sigmoid(2 * s / soft_cap) - 1)  # tanh
+    return s
+
+
+@triton.jit
+def _load_page_rows(
+    cache_ptr,
+    table_row_ptr,
+    n,
+    n_valid,
+    head,
+    stride_b,
+    stride_s,
+    stride_h,
+    dims,
+    dim_mask,
+    block_size,
+):
+    page = tl.load(table_row_ptr + n // block_size, mask=n_valid, other=0).to(tl.int64)
+    ptrs = (
+        cache_ptr
+        + page[:, None] * stride_b
+        + (n % block_size)[:, None] * stride_s
+        + head * stride_h
+        + dims[None, :]
+    )
+    return tl.load(ptrs, mask=n_valid[:, None] & dim_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
+    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h, bt_stride,
+    scale, soft_cap, window, group, block_size, head_dim, v_head_dim, seq_offset,
+    BLOCK_M: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0) + seq_offset
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M * GROUP)
+    token = tile * BLOCK_M + rows // GROUP
+    head = kv_head * group + rows % GROUP
+    row_valid = (token < q_len) & (rows % GROUP < group)
+    dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
+    q_ptrs = (
+        q_ptr
+        + (q_start + token).to(tl.int64)[:, None] * q_stride_t
+        + head[:, None] * q_stride_h
+        + dims[None, :]
+    )
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & (dims < head_dim)[None, :], other=0.0)
+    q_pos = context + token
+
+    kv_end = context + tl.minimum((tile + 1) * BLOCK_M, q_len)
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(0, context + tile * BLOCK_M - window + 1) // BLOCK_N * BLOCK_N
+    m_i = tl.full([BLOCK_M * GROUP], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP, BLOCK_DV], tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * bt_stride
+    for start in range(kv_start, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_valid = n < kv_end
+        k = _load_page_rows(
+            k_cache_ptr,
+            table_row,
+            n,
+            n_valid,
+            kv_head,
+            k_stride_b,
+            k_stride_s,
+            k_stride_h,
+            dims,
+            dims < head_dim,
+            block_size,
+        )
+        s = _scores(q, k, scale, soft_cap, USE_SOFT_CAP, PRECISION)
+        allowed = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if USE_WINDOW:
+            allowed &= n[None, :] > q_pos[:, None] - window
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_page_rows(
+            v_cache_ptr,
+            table_row,
+            n,
+            n_valid,
+            kv_head,
+            v_stride_b,
+            v_stride_s,
+            v_stride_h,
+            vdims,
+            vdims < v_head_dim,
+            block_size,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    acc = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
+    o_ptrs = (
+        out_ptr
+        + (q_start + token).to(tl.int64)[:, None] * o_stride_t
+        + head[:, None] * o_stride_h
+        + vdims[None, :]
+    )
+    tl.store(
+        o_ptrs,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & (vdims < v_head_dim)[None, :],
+    )
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_ptr,
+    q_stride_t, q_stride_h, k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+    bt_stride, scale, soft_cap, window, group, num_q_heads, block_size, head_dim, v_head_dim,
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_ptr + seq).to(tl.int64)
+    q_pos = seq_len - 1
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(0, q_pos - window + 1)
+    per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_start = kv_start + split * per_split
+    split_end = tl.minimum(seq_len, split_start + per_split)
+
+    rows = tl.arange(0, GROUP)
+    head = kv_head * group + rows
+    row_valid = rows < group
+    dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + token * q_stride_t + head[:, None] * q_stride_h + dims[None, :],
+                mask=row_valid[:, None] & (dims < head_dim)[None, :], other=0.0)  # fmt: skip
+    m_i = tl.full([GROUP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP], tl.float32)
+    acc = tl.zeros([GROUP, BLOCK_DV], tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * bt_stride
+    for start in range(split_start, split_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_valid = n < split_end
+        k = _load_page_rows(
+            k_cache_ptr,
+            table_row,
+            n,
+            n_valid,
+            kv_head,
+            k_stride_b,
+            k_stride_s,
+            k_stride_h,
+            dims,
+            dims < head_dim,
+            block_size,
+        )
+        s = _scores(q, k, scale, soft_cap, USE_SOFT_CAP, PRECISION)
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_page_rows(
+            v_cache_ptr,
+            table_row,
+            n,
+            n_valid,
+            kv_head,
+            v_stride_b,
+            v_stride_s,
+            v_stride_h,
+            vdims,
+            vdims < v_head_dim,
+            block_size,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    part = (seq * num_q_heads + head) * NUM_SPLITS + split
+    tl.store(part_max_ptr + part, m_i, mask=row_valid)
+    tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+    tl.store(part_out_ptr + part[:, None] * v_head_dim + vdims[None, :], acc,
+             mask=row_valid[:, None] & (vdims < v_head_dim)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, query_start_ptr,
+    o_stride_t, o_stride_h, num_q_heads, v_head_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    base = (seq * num_q_heads + head) * NUM_SPLITS
+    maxes = tl.load(part_max_ptr + base + splits)
+    sums = tl.load(part_sum_ptr + base + splits)
+    global_max = tl.max(maxes, 0)
+    weights = tl.where(maxes == float("-inf"), 0.0, tl.exp(maxes - global_max))
+    vdims = tl.arange(0, BLOCK_DV)
+    vmask = vdims < v_head_dim
+    parts = tl.load(
+        part_out_ptr + (base + splits)[:, None] * v_head_dim + vdims[None, :],
+        mask=vmask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weights[:, None], 0) / tl.sum(sums * weights, 0)
+    token = tl.load(query_start_ptr + seq).to(tl.int64)
+    tl.store(
+        out_ptr + token * o_stride_t + head * o_stride_h + vdims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=vmask,
+    )
+
+
+def _common(query, key_cache, value_cache, sliding_window, logits_soft_cap):
+    num_kv_heads = key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    return dict(
+        window=sliding_window or 0,
+        soft_cap=logits_soft_cap or 0.0,
+        group=group,
+        block_size=key_cache.shape[1],
+        head_dim=query.shape[2],
+        v_head_dim=value_cache.shape[3],
+        USE_SOFT_CAP=bool(logits_soft_cap),
+        USE_WINDOW=bool(sliding_window),
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        BLOCK_D=max(16, triton.next_power_of_2(query.shape[2])),
+        BLOCK_DV=max(16, triton.next_power_of_2(value_cache.shape[3])),
+    )
+
+
+def _cache_strides(key_cache, value_cache):
+    return (
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+    )  # fmt: skip
+
+
+def decode_attention(
+    query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
+):
+    num_decodes = metadata.num_decodes
+    num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    args = _common(query, key_cache, value_cache, sliding_window, logits_soft_cap)
+    v_head_dim = args["v_head_dim"]
+    part_out = torch.empty(
+        num_decodes, num_q_heads, NUM_SPLITS, v_head_dim, dtype=torch.float32, device=query.device
+    )
+    part_max = torch.empty(
+        num_decodes, num_q_heads, NUM_SPLITS, dtype=torch.float32, device=query.device
+    )
+    part_sum = torch.empty_like(part_max)
+    group_block = max(16, triton.next_power_of_2(args["group"]))
+    _decode_split_kernel[(num_decodes, num_kv_heads, NUM_SPLITS)](
+        query, key_cache, value_cache, part_out, part_max, part_sum,
+        metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+        query.stride(0), query.stride(1), *_cache_strides(key_cache, value_cache),
+        metadata.block_table.stride(0), scale, args["soft_cap"], args["window"], args["group"],
+        num_q_heads, args["block_size"], args["head_dim"], v_head_dim,
+        NUM_SPLITS=NUM_SPLITS, GROUP=group_block, BLOCK_N=BLOCK_N,
+        BLOCK_D=args["BLOCK_D"], BLOCK_DV=args["BLOCK_DV"],
+        USE_SOFT_CAP=args["USE_SOFT_CAP"], USE_WINDOW=args["USE_WINDOW"], PRECISION=args["PRECISION"],
+    )  # fmt: skip
+    _decode_reduce_kernel[(num_decodes, num_q_heads)](
+        part_out, part_max, part_sum, out, metadata.query_start_loc,
+        out.stride(0), out.stride(1), num_q_heads, v_head_dim,
+        NUM_SPLITS=NUM_SPLITS, BLOCK_DV=args["BLOCK_DV"],
+    )  # fmt: skip
+
+
+def prefill_attention(
+    query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
+):
+    num_prefills = metadata.num_seqs - metadata.num_decodes
+    args = _common(query, key_cache, value_cache, sliding_window, logits_soft_cap)
+    group_block = triton.next_power_of_2(args["group"])
+    block_m = max(1, 64 // group_block)
+    num_tiles = triton.cdiv(metadata.max_query_len, block_m)
+    _prefill_kernel[(num_prefills, key_cache.shape[2], num_tiles)](
+        query, key_cache, value_cache, out,
+        metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        *_cache_strides(key_cache, value_cache), metadata.block_table.stride(0),
+        scale, args["soft_cap"], args["window"], args["group"], args["block_size"],
+        args["head_dim"], args["v_head_dim"], metadata.num_decodes,
+        BLOCK_M=block_m, GROUP=group_block, BLOCK_N=BLOCK_N,
+        BLOCK_D=args["BLOCK_D"], BLOCK_DV=args["BLOCK_DV"],
+        USE_SOFT_CAP=args["USE_SOFT_CAP"], USE_WINDOW=args["USE_WINDOW"], PRECISION=args["PRECISION"],
+    )  # fmt: skip
+
+
+@register("paged_attention", "triton")
+def paged_attention_triton(
+    query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
+):
+    if metadata.num_decodes:
+        decode_attention(
+            query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
+        )
+    if metadata.num_seqs > metadata.num_decodes:
+        prefill_attention(
+            query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
+        )
+    return out
