@@ -26,7 +26,9 @@ if torch.cuda.is_available():
 elif os.environ.get("TRITON_INTERPRET") == "1":
     DEVICE = "cpu"
 else:
-    pytest.skip("Triton kernels need a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+    pytest.skip(
+        "Triton kernels need a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True
+    )
 
 from atom.kernels.triton import activation, kv_cache, norm, paged_attention, rotary  # noqa: E402
 
@@ -41,7 +43,9 @@ def test_rms_norm(dtype, hidden):
     x = torch.randn(37, hidden, device=DEVICE, dtype=dtype)
     residual = torch.randn_like(x)
     w = torch.randn(hidden, device=DEVICE, dtype=dtype)
-    torch.testing.assert_close(norm.rms_norm_triton(x, w, 1e-6), rms_norm_torch(x, w, 1e-6), **TOL[dtype])
+    torch.testing.assert_close(
+        norm.rms_norm_triton(x, w, 1e-6), rms_norm_torch(x, w, 1e-6), **TOL[dtype]
+    )
     got = norm.fused_add_rms_norm_triton(x, residual, w, 1e-6)
     want = fused_add_rms_norm_torch(x, residual, w, 1e-6)
     for a, b in zip(got, want):
@@ -52,7 +56,9 @@ def test_rms_norm(dtype, hidden):
 @pytest.mark.parametrize("width", [128, 3072, 1536])
 def test_silu_and_mul(dtype, width):
     x = torch.randn(29, 2 * width, device=DEVICE, dtype=dtype)
-    torch.testing.assert_close(activation.silu_and_mul_triton(x), silu_and_mul_torch(x), **TOL[dtype])
+    torch.testing.assert_close(
+        activation.silu_and_mul_triton(x), silu_and_mul_torch(x), **TOL[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -78,7 +84,10 @@ def test_write_kv_cache(dtype):
     value = torch.randn(50, heads, 64, device=DEVICE, dtype=dtype)
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:50]
     slots[::7] = -1
-    caches = [torch.zeros(num_blocks, block_size, heads, d, device=DEVICE, dtype=dtype) for d in (dim, 64, dim, 64)]
+    caches = [
+        torch.zeros(num_blocks, block_size, heads, d, device=DEVICE, dtype=dtype)
+        for d in (dim, 64, dim, 64)
+    ]
     kv_cache.write_kv_cache_triton(key, value, caches[0], caches[1], slots)
     write_kv_cache_torch(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
@@ -105,8 +114,12 @@ def random_batch(decode_ctx, prefills, block_size, heads, kv_heads, head_dim, dt
         slots += [t[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
     md = AttentionMetadata.build(query_lens, seq_lens, tables, slots, device=DEVICE)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(
+        DEVICE, dtype
+    )
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(
+        DEVICE, dtype
+    )
     query = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(DEVICE, dtype)
     return query, k_cache, v_cache, md
 
@@ -127,11 +140,15 @@ ATTENTION_CASES = [
 @pytest.mark.parametrize("window, soft_cap", [(None, None), (37, None), (None, 30.0)])
 def test_paged_attention(dtype, case, window, soft_cap):
     decodes, prefills, block_size, heads, kv_heads, head_dim = ATTENTION_CASES[case]
-    query, k_cache, v_cache, md = random_batch(decodes, prefills, block_size, heads, kv_heads, head_dim, dtype)
+    query, k_cache, v_cache, md = random_batch(
+        decodes, prefills, block_size, heads, kv_heads, head_dim, dtype
+    )
     scale = head_dim**-0.5
     got = paged_attention.paged_attention_triton(
         query, k_cache, v_cache, md, scale, window, soft_cap, torch.empty_like(query)
     )
-    want = paged_attention_torch(query, k_cache, v_cache, md, scale, window, soft_cap, torch.empty_like(query))
+    want = paged_attention_torch(
+        query, k_cache, v_cache, md, scale, window, soft_cap, torch.empty_like(query)
+    )
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got, want, **tol)
