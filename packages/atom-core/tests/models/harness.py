@@ -140,14 +140,20 @@ def logits_to_next(logits: torch.Tensor, query_lens: list[int]) -> list[int]:
 
 
 def check_greedy_generation(
-    folder: Path, prompt_lengths: list[int], max_new_tokens: int = 16
+    folder: Path, prompt_lengths: list[int], max_new_tokens: int = 16, device: str = "cpu"
 ) -> None:
-    """ATOM's greedy tokens (batched, paged) equal HF `generate` token for token."""
+    """ATOM's greedy tokens (batched, paged) equal HF `generate` (on CPU) token for token."""
     from atom import LLM, SamplingParams
 
     hf = load_hf(folder)
     prompts = make_prompts(hf.config.vocab_size, prompt_lengths, seed=7)
-    llm = LLM(model=str(folder), dtype="float32", device="cpu", skip_tokenizer_init=True)
+    llm = LLM(
+        model=str(folder),
+        dtype="float32",
+        device=device,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):

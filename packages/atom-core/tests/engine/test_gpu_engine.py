@@ -1,0 +1,20 @@
+"""The engine on a CUDA device (Triton kernels) gives HF's greedy tokens for tiny fp32 models."""
+
+from __future__ import annotations
+
+import pytest
+
+from atom.kernels.policy import selected_backend
+from tests.models.harness import check_greedy_generation, write_checkpoint
+from tests.models.test_llama import CASES
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name", ["llama-gqa2", "qwen3-gqa2-tied", "qwen3-sliding-window"])
+def test_gpu_greedy_matches_hf(tmp_path, name):
+    assert selected_backend("paged_attention", "cuda") == "triton"
+    folder = write_checkpoint(CASES[name], tmp_path, init_std=0.1)
+    check_greedy_generation(
+        folder, prompt_lengths=[3, 11, 26, 70], max_new_tokens=16, device="cuda"
+    )
