@@ -152,7 +152,7 @@ def check_greedy_generation(
         dtype="float32",
         device=device,
         skip_tokenizer_init=True,
-        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=64 << 20,
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
