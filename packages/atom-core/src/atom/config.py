@@ -155,3 +155,8 @@ class EngineConfig:
     device: str = "cpu"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    enforce_eager: bool = False  # no CUDA graphs (they are GPU-only anyway)
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device.startswith("cuda") and not self.enforce_eager

@@ -70,11 +70,12 @@ class _Shard:
         return budget // per_block
 
     def allocate(self, num_blocks: int) -> ModelRunner:
-        cache = self.config.cache
-        allocate_kv_cache(
-            self.model, num_blocks, cache.block_size, self.config.model.dtype, self.device
-        )
-        return ModelRunner(self.model, cache.block_size, self.device)
+        config, cache = self.config, self.config.cache
+        allocate_kv_cache(self.model, num_blocks, cache.block_size, config.model.dtype, self.device)
+        runner = ModelRunner(self.model, cache.block_size, self.device)
+        if config.use_cuda_graphs:
+            runner.capture_cuda_graphs(min(config.max_num_seqs, 256), config.model.max_model_len)
+        return runner
 
 
 def _worker_main(config: EngineConfig, rank: int, port: int) -> None:

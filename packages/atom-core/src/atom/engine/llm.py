@@ -31,6 +31,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
         skip_tokenizer_init: bool = False,
     ):
         model_config = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len)
@@ -49,6 +50,7 @@ class LLM:
             device=device,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(8192, model_config.max_model_len),
+            enforce_eager=enforce_eager,
         )
         tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
         self.engine = LLMEngine(config, tokenizer)

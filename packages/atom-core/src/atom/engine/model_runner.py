@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -79,6 +80,15 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        self.decode_graphs = None
+
+    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        from atom.engine.cuda_graphs import DecodeGraphs
+
+        max_blocks = -(-max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphs(
+            self.model, max_batch_size, max_blocks, self.block_size, self.device
+        )
 
     def prepare(
         self, batch: list[StepInput]
@@ -111,19 +121,21 @@ class ModelRunner:
         return ids, pos, metadata
 
     @torch.inference_mode()
-    def forward(self, batch: list[StepInput]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Hidden states [T, hidden] of every new token, and the step's metadata.
+    def forward(self, batch: list[StepInput]) -> torch.Tensor:
+        """Hidden states [T, hidden] of every new token.
 
         Decode rows (one new token) must come before prefill rows.
         """
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs.run(batch)
         input_ids, positions, metadata = self.prepare(batch)
         with set_forward_context(metadata):
-            return self.model(input_ids, positions), metadata
+            return self.model(input_ids, positions)
 
     @torch.inference_mode()
     def execute(self, batch: list[StepInput], logit_rows: list[int]) -> torch.Tensor | None:
         """fp32 logits of the given token rows of the step (None when no row is asked)."""
-        hidden, _ = self.forward(batch)
+        hidden = self.forward(batch)
         if not logit_rows:
             return None
         return self.model.compute_logits(hidden[logit_rows]).float()
@@ -131,7 +143,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:
         """Logits [B, vocab] of each sequence's last new token, or [T, vocab] for all of them."""
-        hidden, metadata = self.forward(batch)
+        hidden = self.forward(batch)
         if not all_positions:
-            hidden = hidden[metadata.query_start_loc[1:].long() - 1]
+            last_rows = list(itertools.accumulate(len(item.token_ids) for item in batch))
+            hidden = hidden[[row - 1 for row in last_rows]]
         return self.model.compute_logits(hidden).float()
