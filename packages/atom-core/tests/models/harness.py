@@ -140,7 +140,11 @@ def logits_to_next(logits: torch.Tensor, query_lens: list[int]) -> list[int]:
 
 
 def check_greedy_generation(
-    folder: Path, prompt_lengths: list[int], max_new_tokens: int = 16, device: str = "cpu"
+    folder: Path,
+    prompt_lengths: list[int],
+    max_new_tokens: int = 16,
+    device: str = "cpu",
+    **llm_kwargs,
 ) -> None:
     """ATOM's greedy tokens (batched, paged) equal HF `generate` (on CPU) token for token."""
     from atom import LLM, SamplingParams
@@ -153,6 +157,7 @@ def check_greedy_generation(
         device=device,
         skip_tokenizer_init=True,
         kv_cache_memory_bytes=64 << 20,
+        **llm_kwargs,
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
