@@ -11,10 +11,16 @@ from tests.models.test_llama import CASES
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
 @pytest.mark.parametrize("name", ["llama-gqa2", "qwen3-gqa2-tied", "qwen3-sliding-window"])
-def test_gpu_greedy_matches_hf(tmp_path, name):
+def test_gpu_greedy_matches_hf(tmp_path, name, enforce_eager):
     assert selected_backend("paged_attention", "cuda") == "triton"
     folder = write_checkpoint(CASES[name], tmp_path, init_std=0.1)
     check_greedy_generation(
-        folder, prompt_lengths=[3, 11, 26, 70], max_new_tokens=16, device="cuda"
+        folder,
+        prompt_lengths=[3, 11, 26, 70, 5, 9],
+        max_new_tokens=16,
+        device="cuda",
+        enforce_eager=enforce_eager,
+        max_num_seqs=8,
     )
