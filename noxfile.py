@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -25,22 +26,11 @@ def install_core(session: nox.Session, *extras: str) -> None:
     session.install("-e", spec)
 
 
-def read_project(package: Path) -> dict:
-    return tomllib.loads((package / "pyproject.toml").read_text())["project"]
-
-
-def core_pin_mismatches(packages: list[Path]) -> list[str]:
-    """Plugins must pin atom-core to exactly atom-core's own version."""
-    projects = {read_project(p)["name"]: read_project(p) for p in packages}
-    core_version = projects["atom-core"]["version"]
-    problems = []
-    for name, project in projects.items():
-        for requirement in project.get("dependencies", []):
-            if requirement.replace(" ", "").startswith("atom-core"):
-                wanted = f"atom-core=={core_version}"
-                if requirement.replace(" ", "") != wanted:
-                    problems.append(f"{name} depends on {requirement!r}; expected {wanted!r}")
-    return problems
+def editable(package: Path) -> list[str]:
+    """`-e package[test]` (or without the extra where the package declares none)."""
+    project = tomllib.loads((package / "pyproject.toml").read_text())["project"]
+    extra = "[test]" if "test" in project.get("optional-dependencies", {}) else ""
+    return ["-e", f"{package}{extra}"]
 
 
 @nox.session(python="3.11")
@@ -52,18 +42,26 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """The CPU test suite of atom-core (host plugins have their own sessions)."""
-    install_core(session, "server", "test")
-    session.run("pytest", str(CORE / "tests"), "-q", *session.posargs, env={"PYTHONHASHSEED": "0"})
+    """Each package's CPU test suite; test paths in posargs narrow it to their packages.
+
+    `pip` reads PIP_EXTRA_INDEX_URL (set by CI to PyTorch's CPU index) from the environment.
+    """
+    paths = [Path(arg).resolve() for arg in session.posargs if Path(arg).exists()]
+    packages = [p for p in PACKAGES if not paths or any(p == x or p in x.parents for x in paths)]
+    session.install(TORCH)  # first, so nothing resolves a CUDA build of it from PyPI
+    installs = [arg for p in dict.fromkeys([CORE, *packages]) for arg in editable(p)]
+    session.install(TORCH, TRANSFORMERS, "pytest", *installs)
+    runs = [session.posargs] if paths else [[str(p / "tests"), *session.posargs] for p in packages]
+    for args in runs:
+        session.run("pytest", *args, env={"PYTHONHASHSEED": "0"})
 
 
 @nox.session(python="3.11")
 def build(session: nox.Session) -> None:
-    problems = core_pin_mismatches(PACKAGES)
-    if problems:
-        session.error("; ".join(problems))
     session.install("build", "twine")
+    session.run("python", "tools/check_pins.py")
     dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
     for package in PACKAGES:
         session.run("python", "-m", "build", "--outdir", str(dist), str(package))
     session.run("twine", "check", "--strict", *map(str, sorted(dist.glob("*"))))

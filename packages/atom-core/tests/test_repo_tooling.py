@@ -1,0 +1,56 @@
+"""The monorepo's own tooling: the atom-core pin check and the generated models page."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from atom.registry import all_models
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def load(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+core_pin_mismatches = load("tools/check_pins.py").core_pin_mismatches
+
+
+def write_project(packages: Path, name: str, version: str, dependencies=()) -> None:
+    folder = packages / name
+    folder.mkdir(parents=True)
+    deps = ", ".join(f'"{d}"' for d in dependencies)
+    (folder / "pyproject.toml").write_text(
+        f'[project]\nname = "{name}"\nversion = "{version}"\ndependencies = [{deps}]\n'
+    )
+
+
+@pytest.mark.parametrize("pin", ["atom-core==0.2.0", "atom-core == 0.2.0", "atom_core==0.2.0"])
+def test_matching_pin_passes(tmp_path, pin):
+    write_project(tmp_path, "atom-core", "0.2.0", ["torch"])
+    write_project(tmp_path, "atom-vllm", "0.2.0", [pin, "vllm"])
+    assert core_pin_mismatches(tmp_path) == []
+
+
+@pytest.mark.parametrize("pin", ["atom-core==0.1.0", "atom-core>=0.2.0", "atom-core", None])
+def test_wrong_or_missing_pin_fails(tmp_path, pin):
+    write_project(tmp_path, "atom-core", "0.2.0")
+    write_project(tmp_path, "atom-sglang", "0.2.0", [pin] if pin else ["sglang"])
+    (problem,) = core_pin_mismatches(tmp_path)
+    assert "atom-sglang" in problem and "atom-core==0.2.0" in problem
+
+
+def test_repository_pins_agree():
+    assert core_pin_mismatches(ROOT / "packages") == []
+
+
+def test_models_page_lists_every_registered_architecture():
+    page = load("docs/gen_models.py").render()
+    for entry in all_models():
+        assert f"`{entry.architecture}`" in page
