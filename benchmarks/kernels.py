@@ -1,0 +1,104 @@
+"""Kernel benchmark on a CUDA GPU: time, achieved GB/s or TFLOP/s, and fraction of peak.
+
+Shapes follow shared/anchors (bf16, paged KV with 16-token blocks, 32 q / 8 kv heads,
+head dim 128), so the figures sit next to vLLM's. Usage:
+    python benchmarks/kernels.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from atom.forward_context import AttentionMetadata
+from atom.kernels.triton.activation import silu_and_mul_triton
+from atom.kernels.triton.norm import fused_add_rms_norm_triton
+from atom.kernels.triton.paged_attention import paged_attention_triton
+
+PEAK_GBPS = 3350.0  # H100 SXM HBM3
+PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
+
+
+def paged_batch(q_lens, ctx_lens, heads=32, kv_heads=8, head_dim=128, block_size=16):
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    pages = [-(-s // block_size) for s in seq_lens]
+    perm = torch.randperm(sum(pages), dtype=torch.int32).tolist()
+    tables, start = [], 0
+    for n in pages:
+        tables.append(perm[start : start + n])
+        start += n
+    slots = [-1] * sum(q_lens)  # K/V of new tokens already sit in the cache
+    md = AttentionMetadata.build(q_lens, seq_lens, tables, slots, device="cuda")
+    shape = (sum(pages), block_size, kv_heads, head_dim)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, md
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def decode_rows():
+    for batch, ctx in [(64, 8192), (16, 8192), (256, 1024), (128, 2048)]:
+        q, k, v, md = paged_batch([1] * batch, [ctx - 1] * batch)
+        out = torch.empty_like(q)
+        ms = bench(lambda: paged_attention_triton(q, k, v, md, 128**-0.5, None, None, out))
+        kv_bytes = 2 * batch * ctx * 8 * 128 * 2
+        gbps = kv_bytes / ms / 1e6
+        yield {"kernel": "decode attention", "shape": f"{batch} seqs x {ctx} ctx", "ms": ms,
+               "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
+
+
+def prefill_rows():
+    for batch, length in [(16, 2048), (4, 8192), (64, 512)]:
+        q, k, v, md = paged_batch([length] * batch, [0] * batch)
+        out = torch.empty_like(q)
+        ms = bench(lambda: paged_attention_triton(q, k, v, md, 128**-0.5, None, None, out))
+        flops = 4 * batch * length * length * 32 * 128 / 2  # causal: half the square
+        tflops = flops / ms / 1e9
+        yield {"kernel": "causal prefill", "shape": f"{batch} x {length} tokens", "ms": ms,
+               "TFLOP/s": tflops, "peak_fraction": tflops / PEAK_TFLOPS}  # fmt: skip
+
+
+def elementwise_rows():
+    for tokens, hidden in [(4096, 4096), (16384, 4096)]:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        r, w = torch.randn_like(x), torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+        ms = bench(lambda: fused_add_rms_norm_triton(x, r, w, 1e-6))
+        gbps = 4 * x.numel() * 2 / ms / 1e6  # read x, residual; write out, residual
+        yield {"kernel": "fused add+RMSNorm", "shape": f"{tokens} x {hidden}", "ms": ms,
+               "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
+        gate_up = torch.randn(tokens, 2 * hidden, device="cuda", dtype=torch.bfloat16)
+        ms = bench(lambda: silu_and_mul_triton(gate_up))
+        gbps = 3 * x.numel() * 2 / ms / 1e6
+        yield {"kernel": "SiLU-and-mul", "shape": f"{tokens} x {hidden}", "ms": ms,
+               "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    print(f"{'kernel':<20} {'shape':<22} {'ms':>9} {'GB/s | TFLOP/s':>16} {'of peak':>8}")
+    for row in [*decode_rows(), *prefill_rows(), *elementwise_rows()]:
+        rate = row.get("GB/s", row.get("TFLOP/s"))
+        unit = "GB/s" if "GB/s" in row else "TFLOP/s"
+        print(
+            f"{row['kernel']:<20} {row['shape']:<22} {row['ms']:>9.4f} {rate:>10.0f} {unit:<5} {row['peak_fraction']:>7.1%}",
+            flush=True,
+        )
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
