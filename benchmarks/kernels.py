@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 
 import torch
 import triton
@@ -47,7 +48,7 @@ def decode_rows():
     for batch, ctx in [(64, 8192), (16, 8192), (256, 1024), (128, 2048)]:
         q, k, v, md = paged_batch([1] * batch, [ctx - 1] * batch)
         out = torch.empty_like(q)
-        ms = bench(lambda: paged_attention_triton(q, k, v, md, 128**-0.5, None, None, out))
+        ms = bench(partial(paged_attention_triton, q, k, v, md, 128**-0.5, None, None, out))
         kv_bytes = 2 * batch * ctx * 8 * 128 * 2
         gbps = kv_bytes / ms / 1e6
         yield {"kernel": "decode attention", "shape": f"{batch} seqs x {ctx} ctx", "ms": ms,
@@ -58,7 +59,7 @@ def prefill_rows():
     for batch, length in [(16, 2048), (4, 8192), (64, 512)]:
         q, k, v, md = paged_batch([length] * batch, [0] * batch)
         out = torch.empty_like(q)
-        ms = bench(lambda: paged_attention_triton(q, k, v, md, 128**-0.5, None, None, out))
+        ms = bench(partial(paged_attention_triton, q, k, v, md, 128**-0.5, None, None, out))
         flops = 4 * batch * length * length * 32 * 128 / 2  # causal: half the square
         tflops = flops / ms / 1e9
         yield {"kernel": "causal prefill", "shape": f"{batch} x {length} tokens", "ms": ms,
@@ -69,12 +70,12 @@ def elementwise_rows():
     for tokens, hidden in [(4096, 4096), (16384, 4096)]:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         r, w = torch.randn_like(x), torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-        ms = bench(lambda: fused_add_rms_norm_triton(x, r, w, 1e-6))
+        ms = bench(partial(fused_add_rms_norm_triton, x, r, w, 1e-6))
         gbps = 4 * x.numel() * 2 / ms / 1e6  # read x, residual; write out, residual
         yield {"kernel": "fused add+RMSNorm", "shape": f"{tokens} x {hidden}", "ms": ms,
                "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
         gate_up = torch.randn(tokens, 2 * hidden, device="cuda", dtype=torch.bfloat16)
-        ms = bench(lambda: silu_and_mul_triton(gate_up))
+        ms = bench(partial(silu_and_mul_triton, gate_up))
         gbps = 3 * x.numel() * 2 / ms / 1e6
         yield {"kernel": "SiLU-and-mul", "shape": f"{tokens} x {hidden}", "ms": ms,
                "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
