@@ -1,8 +1,43 @@
-"""The `atom` command line."""
+"""The `atom` command line: demo, generate (and serve, once the server lands)."""
 
 from __future__ import annotations
 
 import argparse
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that builds an engine."""
+    parser.add_argument("model", help="local folder with config.json and safetensors weights")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-bytes", type=int)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -11,16 +46,47 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(args.out)
 
 
+def _generate(args: argparse.Namespace) -> None:
+    from atom import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    prompts = [[int(t) for t in p.split(",")] if args.token_ids else p for p in args.prompt]
+    for output in llm.generate(prompts, params):
+        completion = output.outputs[0]
+        print(completion.text if llm.tokenizer is not None else completion.token_ids)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atom", description="ATOM: LLM models, kernels and engine"
     )
     commands = parser.add_subparsers(dest="command", required=True)
+
     demo = commands.add_parser(
         "demo", help="build a tiny random model locally and generate with it"
     )
     demo.add_argument("--out", help="folder for the demo checkpoint (default: a temporary one)")
     demo.set_defaults(func=_demo)
+
+    generate = commands.add_parser("generate", help="generate completions offline")
+    add_engine_args(generate)
+    generate.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    generate.add_argument(
+        "--token-ids", action="store_true", help="prompts are comma-separated token ids"
+    )
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int)
+    generate.set_defaults(func=_generate)
     return parser
 
 
