@@ -14,8 +14,9 @@ import triton.language as tl
 
 from atom.kernels.policy import register
 
-NUM_SPLITS = 16
-BLOCK_N = 64
+# Launch parameters, per kernel; benchmarks/tune_attention.py sweeps them on the GPU.
+DECODE_CONFIG = {"num_splits": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
+PREFILL_CONFIG = {"rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
@@ -288,30 +289,33 @@ def decode_attention(
 ):
     num_decodes = metadata.num_decodes
     num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    config = DECODE_CONFIG
+    num_splits = config["num_splits"]
     args = _common(query, key_cache, value_cache, sliding_window, logits_soft_cap)
     v_head_dim = args["v_head_dim"]
     part_out = torch.empty(
-        num_decodes, num_q_heads, NUM_SPLITS, v_head_dim, dtype=torch.float32, device=query.device
+        num_decodes, num_q_heads, num_splits, v_head_dim, dtype=torch.float32, device=query.device
     )
     part_max = torch.empty(
-        num_decodes, num_q_heads, NUM_SPLITS, dtype=torch.float32, device=query.device
+        num_decodes, num_q_heads, num_splits, dtype=torch.float32, device=query.device
     )
     part_sum = torch.empty_like(part_max)
     group_block = max(16, triton.next_power_of_2(args["group"]))
-    _decode_split_kernel[(num_decodes, num_kv_heads, NUM_SPLITS)](
+    _decode_split_kernel[(num_decodes, num_kv_heads, num_splits)](
         query, key_cache, value_cache, part_out, part_max, part_sum,
         metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
         query.stride(0), query.stride(1), *_cache_strides(key_cache, value_cache),
         metadata.block_table.stride(0), scale, args["soft_cap"], args["window"], args["group"],
         num_q_heads, args["block_size"], args["head_dim"], v_head_dim,
-        NUM_SPLITS=NUM_SPLITS, GROUP=group_block, BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits, GROUP=group_block, BLOCK_N=config["block_n"],
         BLOCK_D=args["BLOCK_D"], BLOCK_DV=args["BLOCK_DV"],
         USE_SOFT_CAP=args["USE_SOFT_CAP"], USE_WINDOW=args["USE_WINDOW"], PRECISION=args["PRECISION"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     _decode_reduce_kernel[(num_decodes, num_q_heads)](
         part_out, part_max, part_sum, out, metadata.query_start_loc,
         out.stride(0), out.stride(1), num_q_heads, v_head_dim,
-        NUM_SPLITS=NUM_SPLITS, BLOCK_DV=args["BLOCK_DV"],
+        NUM_SPLITS=num_splits, BLOCK_DV=args["BLOCK_DV"],
     )  # fmt: skip
 
 
@@ -320,8 +324,9 @@ def prefill_attention(
 ):
     num_prefills = metadata.num_seqs - metadata.num_decodes
     args = _common(query, key_cache, value_cache, sliding_window, logits_soft_cap)
+    config = PREFILL_CONFIG
     group_block = triton.next_power_of_2(args["group"])
-    block_m = max(1, 64 // group_block)
+    block_m = max(1, config["rows"] // group_block)
     num_tiles = triton.cdiv(metadata.max_query_len, block_m)
     _prefill_kernel[(num_prefills, key_cache.shape[2], num_tiles)](
         query, key_cache, value_cache, out,
@@ -330,9 +335,10 @@ def prefill_attention(
         *_cache_strides(key_cache, value_cache), metadata.block_table.stride(0),
         scale, args["soft_cap"], args["window"], args["group"], args["block_size"],
         args["head_dim"], args["v_head_dim"], metadata.num_decodes,
-        BLOCK_M=block_m, GROUP=group_block, BLOCK_N=BLOCK_N,
+        BLOCK_M=block_m, GROUP=group_block, BLOCK_N=config["block_n"],
         BLOCK_D=args["BLOCK_D"], BLOCK_DV=args["BLOCK_DV"],
         USE_SOFT_CAP=args["USE_SOFT_CAP"], USE_WINDOW=args["USE_WINDOW"], PRECISION=args["PRECISION"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
 
 
