@@ -11,6 +11,12 @@ from atom.kernels.fp8 import (
     quantize_fp8_per_token_group,
 )
 from atom.kernels.kv_cache import write_kv_cache
+from atom.kernels.mla import (
+    mla_attention,
+    mla_decode_attention,
+    mla_prefill_attention,
+    write_mla_cache,
+)
 from atom.kernels.norm import fused_add_rms_norm, rms_norm
 from atom.kernels.paged_attention import paged_attention
 from atom.kernels.rotary import apply_rotary_emb, compute_cos_sin_cache
@@ -22,6 +28,9 @@ __all__ = [
     "dequantize_fp8",
     "fp8_scaled_mm",
     "fused_add_rms_norm",
+    "mla_attention",
+    "mla_decode_attention",
+    "mla_prefill_attention",
     "paged_attention",
     "quantize_fp8_per_block",
     "quantize_fp8_per_tensor",
@@ -30,4 +39,5 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "write_kv_cache",
+    "write_mla_cache",
 ]

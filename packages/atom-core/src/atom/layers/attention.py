@@ -63,6 +63,11 @@ def attention_backend(factory: ImplFactory) -> Iterator[None]:
         _impl_factory = previous
 
 
+def create_attention_impl(spec: AttentionSpec) -> nn.Module:
+    """The impl the current host's factory builds for `spec` (MHA and MLA layers alike)."""
+    return _impl_factory(spec)
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention over the paged KV cache.
 
@@ -91,7 +96,7 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
         )
-        self.impl = _impl_factory(self.spec)
+        self.impl = create_attention_impl(self.spec)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         spec = self.spec

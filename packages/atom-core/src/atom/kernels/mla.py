@@ -1,0 +1,177 @@
+"""Multi-head latent attention (DeepSeek MLA) over a paged latent cache (DESIGN.md §3).
+
+Each cached token is one row of kv_lora_rank + qk_rope_head_dim channels: the normalised
+latent c (L channels) followed by the rotated rope key k_pe (R channels), shared by all
+heads. Head h attends keys [W_UK[h] c, k_pe] and values W_UV[h] c, where
+w_uk [H, Dn, L] and w_uv [H, Dv, L] are the two halves of kv_b_proj's weight.
+
+As in vLLM, there are two exact ways to attend:
+- decode (weight-absorbed): q_nope is folded through W_UK into the latent space, so the
+  step is MQA with head dim L + R straight over the cache, and the latent output goes
+  through W_UV. No per-head K/V is materialised, so the cache is read once per step.
+- prefill (up-projected): each sequence's cached latents are expanded to per-head k_nope
+  and v, then ordinary attention with head dim Dn + R; cheaper when many queries share
+  the keys.
+Both read the cache through `block_table`, so a prefill with a cached prefix sees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from atom.forward_context import AttentionMetadata
+from atom.kernels.paged_attention import attention_mask, dense_attention, gather_pages
+from atom.kernels.policy import dispatch, register
+
+
+def _sequences(
+    metadata: AttentionMetadata, first: int, last: int
+) -> Iterator[tuple[int, int, int, int]]:
+    """(sequence, query row begin, end, seq_len) of sequences [first, last) with new tokens.
+
+    Rows count from the first query row of sequence `first`, because each path receives
+    only its own slice of the batch's queries.
+    """
+    starts = metadata.host_query_start_loc()
+    seq_lens = metadata.host_seq_lens()
+    base = starts[first]
+    for i in range(first, last):
+        if starts[i + 1] > starts[i]:
+            yield i, starts[i] - base, starts[i + 1] - base, seq_lens[i]
+
+
+def _query_positions(begin: int, end: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(seq_len - (end - begin), seq_len, device=device)
+
+
+@register("write_mla_cache", "torch")
+def write_mla_cache_torch(kv_c, k_pe, kv_cache, slot_mapping) -> None:
+    block_size = kv_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    rows = torch.cat([kv_c[valid], k_pe[valid]], dim=-1)
+    kv_cache[slots // block_size, slots % block_size] = rows.to(kv_cache.dtype)
+
+
+def write_mla_cache(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """kv_c [T, L] and k_pe [T, R] into kv_cache [num_blocks, block_size, L + R].
+
+    Slot s is block s // block_size, offset s % block_size; slot -1 marks padding.
+    """
+    dispatch("write_mla_cache", kv_c.device)(kv_c, k_pe, kv_cache, slot_mapping)
+
+
+@register("mla_decode_attention", "torch")
+def mla_decode_attention_torch(q_latent, q_pe, kv_cache, metadata, scale, out):
+    latent_dim = q_latent.shape[-1]
+    query = torch.cat([q_latent, q_pe], dim=-1)
+    for i, begin, end, seq_len in _sequences(metadata, 0, metadata.num_decodes):
+        kv = gather_pages(kv_cache, metadata.block_table[i], seq_len).unsqueeze(1)
+        mask = attention_mask(_query_positions(begin, end, seq_len, query.device), seq_len, None)
+        out[begin:end] = dense_attention(
+            query[begin:end], kv, kv[..., :latent_dim], mask, scale, None
+        )
+    return out
+
+
+def mla_decode_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Latent-space MQA for the decode sequences (the first `num_decodes`) -> [Td, H, L].
+
+    q_latent [Td, H, L] is q_nope already absorbed through W_UK, q_pe [Td, H, R] the rotated
+    rope part; Td = num_decode_tokens. Keys are whole cache rows, values their first L
+    channels. The output is still latent: project it through W_UV.
+    """
+    if out is None:
+        out = q_latent.new_empty(q_latent.shape)
+    return dispatch("mla_decode_attention", q_latent.device)(
+        q_latent, q_pe, kv_cache, metadata, scale, out
+    )
+
+
+@register("mla_prefill_attention", "torch")
+def mla_prefill_attention_torch(q_nope, q_pe, kv_cache, metadata, scale, w_uk, w_uv, out):
+    num_heads, _, latent_dim = w_uk.shape
+    query = torch.cat([q_nope, q_pe], dim=-1)
+    for i, begin, end, seq_len in _sequences(metadata, metadata.num_decodes, metadata.num_seqs):
+        rows = gather_pages(kv_cache, metadata.block_table[i], seq_len).float()
+        kv_c, k_pe = rows[:, :latent_dim], rows[:, latent_dim:]
+        k_nope = torch.einsum("ml,hdl->mhd", kv_c, w_uk.float())
+        value = torch.einsum("ml,hdl->mhd", kv_c, w_uv.float())
+        key = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, num_heads, -1)], dim=-1)
+        mask = attention_mask(_query_positions(begin, end, seq_len, query.device), seq_len, None)
+        out[begin:end] = dense_attention(query[begin:end], key, value, mask, scale, None)
+    return out
+
+
+def mla_prefill_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Up-projected attention for the prefill sequences (after the decodes) -> [Tp, H, Dv].
+
+    q_nope [Tp, H, Dn] and q_pe [Tp, H, R] are the queries from row num_decode_tokens on.
+    Every sequence's latents (cached prefix and new tokens) are read from the cache.
+    """
+    if out is None:
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+    return dispatch("mla_prefill_attention", q_nope.device)(
+        q_nope, q_pe, kv_cache, metadata, scale, w_uk, w_uv, out
+    )
+
+
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """MLA for a mixed, decode-first batch: q_nope [T, H, Dn], q_pe [T, H, R] -> [T, H, Dv].
+
+    The new tokens' latents must already be in the cache (`write_mla_cache`). Decode rows
+    take the absorbed path, prefill rows the up-projected one.
+    """
+    if out is None:
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+    num_decode_tokens = metadata.num_decode_tokens
+    if metadata.num_decodes:
+        q_latent = torch.einsum("thd,hdl->thl", q_nope[:num_decode_tokens], w_uk)
+        latent_out = mla_decode_attention(
+            q_latent, q_pe[:num_decode_tokens], kv_cache, metadata, scale
+        )
+        out[:num_decode_tokens] = torch.einsum("thl,hvl->thv", latent_out, w_uv)
+    if metadata.num_prefills:
+        mla_prefill_attention(
+            q_nope[num_decode_tokens:],
+            q_pe[num_decode_tokens:],
+            kv_cache,
+            metadata,
+            scale,
+            w_uk,
+            w_uv,
+            out=out[num_decode_tokens:],
+        )
+    return out

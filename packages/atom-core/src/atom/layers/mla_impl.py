@@ -1,0 +1,72 @@
+"""ATOM's own MLA AttentionImpl: write the new latents into the paged cache, then attend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.forward_context import get_forward_context
+from atom.kernels import mla_attention, write_mla_cache
+from atom.layers.attention import AttentionSpec
+
+
+class NativeMLAImpl(nn.Module):
+    """Latent cache layout: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim].
+
+    forward takes q_nope [T, H, Dn], q_pe [T, H, R] (rotated), kv_c [T, L] (normalised
+    latent) and k_pe [T, R] (rotated) and returns [T, H, Dv]. W_UK / W_UV come from the
+    spec's kv_b_proj once its weights are loaded (`process_weights_after_loading`).
+    """
+
+    def __init__(self, spec: AttentionSpec):
+        super().__init__()
+        if spec.kv_b_proj is None:
+            raise ValueError(f"{spec.layer_name}: an MLA spec needs its kv_b_proj")
+        self.spec = spec
+        self.nope_head_dim = spec.head_dim - spec.qk_rope_head_dim
+        # The activation dtype, which the model is built under (weights may be FP8).
+        self.dtype = torch.get_default_dtype()
+        self.kv_cache: torch.Tensor | None = None
+        self.register_buffer("w_uk", None, persistent=False)
+        self.register_buffer("w_uv", None, persistent=False)
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        s = self.spec
+        return [(num_blocks, block_size, s.kv_lora_rank + s.qk_rope_head_dim)]
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Splits kv_b_proj into w_uk [H, Dn, L] and w_uv [H, Dv, L] for this rank's heads.
+
+        kv_b_proj is column-parallel over heads, so its local rows are whole heads. The
+        weight is read by applying the layer to the identity: this gives the dense W^T
+        whatever the layer's quantization (and is exact for unquantized weights).
+        """
+        s = self.spec
+        device = next(s.kv_b_proj.parameters()).device
+        identity = torch.eye(s.kv_lora_rank, dtype=self.dtype, device=device)
+        weight = s.kv_b_proj(identity).T.reshape(s.num_heads, -1, s.kv_lora_rank)
+        w_uk, w_uv = weight.split([self.nope_head_dim, s.v_head_dim], dim=1)
+        self.w_uk, self.w_uv = w_uk.contiguous(), w_uv.contiguous()
+
+    def forward(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> torch.Tensor:
+        metadata = get_forward_context().attn_metadata
+        if metadata is None or self.kv_cache is None:
+            raise RuntimeError(
+                f"{self.spec.layer_name}: attention needs a KV cache and step metadata "
+                "(run the model under atom.forward_context.set_forward_context)"
+            )
+        if self.w_uk is None:
+            raise RuntimeError(
+                f"{self.spec.layer_name}: kv_b_proj is not split yet "
+                "(call atom.loader.process_weights_after_loading after loading weights)"
+            )
+        write_mla_cache(kv_c, k_pe, self.kv_cache, metadata.slot_mapping)
+        return mla_attention(
+            q_nope, q_pe, self.kv_cache, metadata, self.spec.scale, self.w_uk, self.w_uv
+        )
