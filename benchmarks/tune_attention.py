@@ -52,15 +52,18 @@ def main() -> None:
         decode_bytes,
         "GB/s",
     )
-    prefill = {"prefill 16x2048": ([2048] * 16, [0] * 16), "prefill 4x8192": ([8192] * 4, [0] * 4)}
-    prefill_flops = {k: 2 * len(v[0]) * v[0][0] ** 2 * 32 * 128 / 1e9 for k, v in prefill.items()}
-    sweep(
-        pa.PREFILL_CONFIG,
-        {"rows": [64, 128], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]},
-        prefill,
-        prefill_flops,
-        "TFLOP/s",
-    )
+    prefill_space = {
+        "rows": [64, 128],
+        "block_n": [32, 64, 128],
+        "num_warps": [4, 8],
+        "num_stages": [2, 3, 4],
+    }
+    for config, (label, batch, length) in [
+        (pa.PREFILL_CONFIG, ("prefill 16x2048", 16, 2048)),
+        (pa.LONG_PREFILL_CONFIG, ("prefill 4x8192", 4, 8192)),
+    ]:
+        flops = {label: 2 * batch * length**2 * 32 * 128 / 1e9}
+        sweep(config, prefill_space, {label: ([length] * batch, [0] * batch)}, flops, "TFLOP/s")
 
 
 if __name__ == "__main__":

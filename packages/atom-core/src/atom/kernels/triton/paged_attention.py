@@ -14,9 +14,16 @@ import triton.language as tl
 
 from atom.kernels.policy import register
 
-# Launch parameters, per kernel; benchmarks/tune_attention.py sweeps them on the GPU.
-DECODE_CONFIG = {"num_splits": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
-PREFILL_CONFIG = {"rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+# Launch parameters, from benchmarks/tune_attention.py on an H100 (bf16, head dim 128,
+# 32 q / 8 kv heads): 4 splits beat 8-32 from 16 to 256 sequences; long prefills prefer
+# 128-row tiles with 8 warps. The sweep overrides these dicts.
+DECODE_CONFIG = {"num_splits": 4, "block_n": 64, "num_warps": 4, "num_stages": 2}
+PREFILL_CONFIG = {"rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
+LONG_PREFILL_CONFIG = {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+LONG_PREFILL_TOKENS = 4096
+# Few sequences leave most SMs idle at 4 splits; split their keys further.
+FEW_DECODE_PROGRAMS = 64
+FEW_DECODE_SPLITS = 16
 
 
 @triton.jit
@@ -291,6 +298,8 @@ def decode_attention(
     num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     config = DECODE_CONFIG
     num_splits = config["num_splits"]
+    if num_decodes * num_kv_heads < FEW_DECODE_PROGRAMS:
+        num_splits = max(num_splits, FEW_DECODE_SPLITS)
     args = _common(query, key_cache, value_cache, sliding_window, logits_soft_cap)
     v_head_dim = args["v_head_dim"]
     part_out = torch.empty(
@@ -325,6 +334,8 @@ def prefill_attention(
     num_prefills = metadata.num_seqs - metadata.num_decodes
     args = _common(query, key_cache, value_cache, sliding_window, logits_soft_cap)
     config = PREFILL_CONFIG
+    if metadata.max_query_len >= LONG_PREFILL_TOKENS:
+        config = LONG_PREFILL_CONFIG
     group_block = triton.next_power_of_2(args["group"])
     block_m = max(1, config["rows"] // group_block)
     num_tiles = triton.cdiv(metadata.max_query_len, block_m)
