@@ -1,0 +1,221 @@
+"""ATOM's attention backend for vLLM (MHA/GQA): backend, metadata builder, impl.
+
+* `AtomAttentionBackend` declares what the backend supports and the KV-cache shape
+  `[num_blocks, 2, block_size, num_kv_heads, head_size]`: blocks first (vLLM zeroes and
+  transfers whole blocks), and `kv_cache[:, 0]` / `kv_cache[:, 1]` are exactly the
+  `[num_blocks, block_size, Hkv, D]` key/value caches ATOM's kernels take.
+* `AtomAttentionMetadataBuilder` turns vLLM's `CommonAttentionMetadata` into
+  `atom.forward_context.AttentionMetadata`, the schema every ATOM host fills
+  (DESIGN.md §3). It asks vLLM to put decodes first (`reorder_batch_threshold = 1`).
+* `AtomAttentionImpl.forward` writes the new K/V into the paged cache, then runs
+  `atom.kernels.paged_attention` (the kernel policy picks torch on CPU, Triton on GPU).
+
+vLLM's `Attention` layer drives all of it: it allocates and binds the KV cache from the
+layer's spec, builds one metadata object per step and KV-cache group, and calls the impl.
+The backend is registered under the static `AttentionBackendEnum.CUSTOM` member, so
+`get_name()` returns "CUSTOM" (vLLM's `Attention` looks the name up in that enum).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from atom.forward_context import AttentionMetadata
+from atom.kernels import paged_attention, write_kv_cache
+
+BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member register() overrides
+_PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+class AtomAttentionBackend(AttentionBackend):
+    """Declares capabilities; the work is in the builder and the impl."""
+
+    # The impl writes the KV cache itself, at the start of forward (as ATOM's native impl).
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+    ]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[AtomAttentionImpl]:
+        return AtomAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AtomAttentionMetadataBuilder]:
+        return AtomAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        return kv_cache_dtype is None or kv_cache_dtype in _PLAIN_CACHE_DTYPES
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+
+def key_value_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `[num_blocks, block_size, Hkv, D]` key and value views of a layer's cache."""
+    return kv_cache[:, 0], kv_cache[:, 1]
+
+
+def to_atom_metadata(cm: CommonAttentionMetadata) -> AttentionMetadata:
+    """vLLM's per-step `CommonAttentionMetadata` as ATOM's schema (decodes first)."""
+    num_reqs = cm.num_reqs
+    num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(cm, decode_threshold=1)
+    on_host = cm.seq_lens.device.type == "cpu"
+    return AttentionMetadata(
+        query_start_loc=cm.query_start_loc[: num_reqs + 1],
+        seq_lens=cm.seq_lens[:num_reqs],
+        block_table=cm.block_table_tensor[:num_reqs],
+        slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decode_tokens,
+        max_query_len=cm.max_query_len,
+        max_seq_len=cm.max_seq_len,
+        query_start_loc_cpu=cm.query_start_loc_cpu[: num_reqs + 1],
+        seq_lens_cpu=cm.seq_lens[:num_reqs] if on_host else None,
+    )
+
+
+class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AttentionMetadata]):
+    # The Triton decode kernel's launch grid depends only on the batch size, and it
+    # reads seq_lens / block_table from vLLM's persistent buffers: pure-decode batches
+    # can be captured in CUDA graphs. Mixed batches size their grids from host values.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+    reorder_batch_threshold: int | None = 1
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> AttentionMetadata:
+        return to_atom_metadata(common_attn_metadata)
+
+
+class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
+    """Writes K/V into the paged cache, then ATOM's paged attention over it."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra_impl_args,
+    ) -> None:
+        unsupported = []
+        if alibi_slopes is not None:
+            unsupported.append("ALiBi")
+        if attn_type != AttentionType.DECODER:
+            unsupported.append(f"attention type {attn_type}")
+        if kv_sharing_target_layer_name is not None:
+            unsupported.append("KV sharing between layers")
+        if kv_cache_dtype not in _PLAIN_CACHE_DTYPES:
+            unsupported.append(f"kv_cache_dtype={kv_cache_dtype!r}")
+        if extra_impl_args.get("sinks") is not None:
+            unsupported.append("attention sinks")
+        if unsupported:
+            raise NotImplementedError(
+                "ATOM's attention backend does not support " + ", ".join(unsupported)
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = None
+        self.num_calls = 0  # for tests and logs: proof that this impl ran
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D|Dv] -> output [T, Hq, Dv] (in place)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("ATOM's attention backend has no fused output quantization")
+        if attn_metadata is None:  # profiling / dummy run: no cache, no metadata
+            return output
+        self.num_calls += 1
+        key_cache, value_cache = key_value_caches(kv_cache)
+        slots = attn_metadata.slot_mapping
+        num_tokens = min(key.shape[0], slots.shape[0])
+        write_kv_cache(
+            key[:num_tokens], value[:num_tokens], key_cache, value_cache, slots[:num_tokens]
+        )
+        paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            attn_metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            out=output,
+        )
+        return output

@@ -1,0 +1,83 @@
+"""Config bridge: what ATOM needs from a `VllmConfig`, read once, nothing vLLM-typed kept.
+
+ATOM model classes take `(hf_config, quant_config, prefix)`. vLLM already parsed the
+checkpoint's `config.json` into a transformers config, so that object is handed over
+as is (ATOM only reads it); the dtype comes from vLLM's model config and the
+quantization config is rebuilt by ATOM from the checkpoint's `quantization_config`.
+Features ATOM's wrapper does not implement fail here, with the way out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from atom.layers.quantization import QuantizationConfig, get_quant_config
+from atom.registry import ModelEntry, get_entry
+
+# vLLM's own names for the checkpoint quantization formats ATOM loads itself.
+_ATOM_QUANT_METHODS = {"fp8", "compressed-tensors"}
+
+
+class UnsupportedVllmFeature(NotImplementedError):
+    """A vLLM setting the ATOM wrapper cannot honour (run with model_impl="vllm")."""
+
+
+@dataclass(frozen=True)
+class AtomRunConfig:
+    """The ATOM side of one vLLM model instance."""
+
+    entry: ModelEntry
+    hf_config: Any  # transformers.PretrainedConfig, read-only
+    dtype: torch.dtype
+    quant_config: QuantizationConfig | None
+    tensor_parallel_size: int
+    block_size: int
+    model_impl: str
+
+
+def model_impl_of(vllm_config: Any) -> str:
+    """`model_config.model_impl` ("auto", "atom", "vllm", ...), lower-cased."""
+    return str(getattr(vllm_config.model_config, "model_impl", "auto") or "auto").lower()
+
+
+def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    hf_config = model_config.hf_config
+    entry = get_entry(architecture)
+
+    def unsupported(what: str) -> UnsupportedVllmFeature:
+        return UnsupportedVllmFeature(
+            f"ATOM's {entry.architecture} in vLLM does not support {what}; "
+            "run this model with vLLM's implementation (model_impl='vllm', "
+            "--model-impl vllm) or set ATOM_DISABLE_VLLM_PLUGIN=1"
+        )
+
+    if parallel.pipeline_parallel_size > 1:
+        raise unsupported(f"pipeline parallelism (pp={parallel.pipeline_parallel_size})")
+    if getattr(parallel, "enable_expert_parallel", False):
+        raise unsupported("expert parallelism")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise unsupported("LoRA adapters")
+    quantization = model_config.quantization
+    if quantization is not None and quantization not in _ATOM_QUANT_METHODS:
+        raise unsupported(f"quantization={quantization!r}")
+    quant_config = get_quant_config(hf_config)
+    if quantization is not None and quant_config is None:
+        raise unsupported(f"online quantization ({quantization!r} on an unquantized checkpoint)")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype not in ("auto", "float16", "bfloat16", "float32", "fp16", "bf16"):
+        raise unsupported(f"kv_cache_dtype={cache_dtype!r}")
+
+    return AtomRunConfig(
+        entry=entry,
+        hf_config=hf_config,
+        dtype=model_config.dtype,
+        quant_config=quant_config,
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        block_size=vllm_config.cache_config.block_size,
+        model_impl=model_impl_of(vllm_config),
+    )

@@ -1,0 +1,180 @@
+"""The model class vLLM instantiates for every architecture ATOM serves.
+
+`register()` registers `"atom_vllm.model:<Architecture>"`; the module-level
+`__getattr__` below makes that attribute a subclass of `AtomForCausalLM` bound to the
+registry entry, so one generic class serves every architecture.
+
+Per run, `model_config.model_impl` picks the implementation: "vllm" constructs vLLM's
+own class for the architecture instead (from `__new__`, so vLLM gets its plain model
+object); "auto", "atom" (or anything else) build ATOM's model:
+
+* config bridge: `atom_vllm.config.bridge(vllm_config)` (hf_config, dtype, ATOM quant);
+* TP: vLLM's tensor-parallel group installed as ATOM's (`atom.distributed.set_tp_group`);
+* attention: built inside `attention_backend(factory)`, so every ATOM attention layer
+  owns a vLLM `Attention` layer on `AtomAttentionBackend` (MLA: `VllmMLAAttention`);
+* weights: `load_weights` takes vLLM's iterator (the checkpoint is read once) and
+  returns the names of the parameters it loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+from atom.layers.attention import Attention as AtomAttention
+from atom.layers.attention import attention_backend
+from atom.registry import UnsupportedArchitectureError, get_entry
+from atom_vllm.attention_layer import vllm_attention_factory
+from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
+from atom_vllm.distributed import install_vllm_tp_group
+
+logger = init_logger("vllm.atom_vllm.model")
+
+ATOM_MODEL_ATTR = "atom_model"
+
+
+def vllm_model_class(architecture: str) -> type[nn.Module]:
+    """vLLM's own class for an architecture (what ATOM's registration replaced)."""
+    from vllm.model_executor.models import registry
+
+    try:
+        relname, class_name = registry._VLLM_MODELS[architecture]
+    except KeyError:
+        raise UnsupportedVllmFeature(
+            f"vLLM has no implementation of its own for {architecture}"
+        ) from None
+    module = relname if relname.startswith("vllm.") else f"vllm.model_executor.models.{relname}"
+    return getattr(importlib.import_module(module), class_name)
+
+
+class AtomForCausalLM(nn.Module):
+    """vLLM's text-generation model interface around an ATOM model."""
+
+    atom_architecture: ClassVar[str] = ""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if vllm_config is not None and model_impl_of(vllm_config) == "vllm":
+            vllm_cls = vllm_model_class(cls.atom_architecture)
+            logger.info(
+                "model_impl='vllm': %s runs vLLM's %s.%s, not ATOM's",
+                cls.atom_architecture,
+                vllm_cls.__module__,
+                vllm_cls.__qualname__,
+            )
+            return vllm_cls(vllm_config=vllm_config, prefix=kwargs.get("prefix", ""))
+        return super().__new__(cls)
+
+    def __init__(self, *, vllm_config: Any, prefix: str = ""):
+        super().__init__()
+        self.run_config: AtomRunConfig = bridge(vllm_config, self.atom_architecture)
+        cfg = self.run_config
+        self.tp_group = install_vllm_tp_group()
+        model_cls = cfg.entry.load_class()
+        # vLLM's loader has set the default dtype and device for construction.
+        with attention_backend(vllm_attention_factory(vllm_config)):
+            atom_model = model_cls(cfg.hf_config, cfg.quant_config, prefix=prefix)
+        setattr(self, ATOM_MODEL_ATTR, atom_model)
+        layers = [m for m in atom_model.modules() if isinstance(m, AtomAttention)]
+        logger.info(
+            "ATOM %s (%s.%s) built for vLLM: %d attention layers on %s, tp=%d/%d, dtype=%s%s",
+            cfg.entry.architecture,
+            model_cls.__module__,
+            model_cls.__qualname__,
+            len(layers),
+            type(layers[0].impl).__name__ if layers else "-",
+            self.tp_group.rank,
+            self.tp_group.world_size,
+            cfg.dtype,
+            f", quant={cfg.quant_config.name}" if cfg.quant_config is not None else "",
+        )
+
+    @property
+    def model(self) -> nn.Module:
+        return getattr(self, ATOM_MODEL_ATTR)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        embed = getattr(model, "embed_input_ids", None)
+        if callable(embed):
+            return embed(input_ids)
+        return model.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if intermediate_tensors is not None:
+            raise UnsupportedVllmFeature("ATOM models in vLLM do not run pipeline parallel")
+        if inputs_embeds is not None:
+            raise UnsupportedVllmFeature(
+                "ATOM models in vLLM take token ids, not inputs_embeds "
+                "(prompt embeddings / multimodal inputs)"
+            )
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads vLLM's checkpoint iterator into the ATOM model; returns loaded names."""
+        loaded = self.model.load_weights(weights)
+        self._process_atom_weights()
+        return {f"{ATOM_MODEL_ATTR}.{name}" for name in loaded}
+
+    def _process_atom_weights(self) -> None:
+        """ATOM's post-load hooks (e.g. FP8 re-layout), skipping vLLM's own layers.
+
+        vLLM calls `process_weights_after_loading(act_dtype)` on its attention layers
+        itself; ATOM's hooks take no argument.
+        """
+        skip: set[int] = set()
+        for module in self.model.modules():
+            if isinstance(module, AttentionLayerBase):
+                skip.update(id(m) for m in module.modules())
+        for module in self.model.modules():
+            if module is self.model or id(module) in skip:
+                continue
+            hook = getattr(module, "process_weights_after_loading", None)
+            if hook is not None:
+                hook()
+
+
+_classes: dict[str, type[AtomForCausalLM]] = {}
+
+
+def wrapper_class(architecture: str) -> type[AtomForCausalLM]:
+    """The `AtomForCausalLM` subclass vLLM sees for `architecture` (made once)."""
+    cls = _classes.get(architecture)
+    if cls is None:
+        entry = get_entry(architecture)
+        cls = type(
+            architecture,
+            (AtomForCausalLM,),
+            {
+                "atom_architecture": architecture,
+                "__module__": __name__,
+                "__qualname__": architecture,
+                "__doc__": f"ATOM's {entry.family} ({entry.class_path}) as a vLLM model.",
+            },
+        )
+        _classes[architecture] = cls
+    return cls
+
+
+def __getattr__(name: str) -> type[AtomForCausalLM]:
+    # "atom_vllm.model:LlamaForCausalLM" -> the wrapper class for that architecture.
+    try:
+        return wrapper_class(name)
+    except UnsupportedArchitectureError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

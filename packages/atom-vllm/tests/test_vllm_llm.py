@@ -1,0 +1,172 @@
+"""vllm.LLM with the plugin: ATOM's models and backend give vLLM's own greedy tokens.
+
+One engine per (architecture, mode), all started by one module fixture (`runs`):
+
+* "atom":  plugin on (model_impl "auto" for Llama, "atom" for the others);
+* "stock": ATOM_DISABLE_VLLM_PLUGIN=1, vLLM's own class and CPU_ATTN kernel;
+* Llama also runs with model_impl="vllm" (plugin on, vLLM's class), and a GPT-2
+  checkpoint (an architecture ATOM does not serve) runs with the plugin on.
+
+Every engine runs with prefix caching on and chunked prefill with a small token
+budget (48 < the longest prompt, so long prompts are prefilled in chunks next to other
+prompts' decodes), in fp32, and goes through three rounds: a batch of mixed-length
+prompts, one prompt with a 48-token prefix, then three prompts sharing that prefix
+(served from the prefix cache).
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm_harness import Job, make_prompts, result_of, run_jobs
+
+from atom.registry import get_entry
+from atom_vllm import served_architectures
+
+pytestmark = pytest.mark.slow
+
+CANDIDATES = [
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+]
+SERVED = set(served_architectures())
+ARCHS = [a for a in CANDIDATES if a in SERVED]
+PREFIX_BLOCKS = 3
+BLOCK_SIZE = 16
+BUDGET = 48
+
+ENGINE = dict(
+    skip_tokenizer_init=True,
+    dtype="float32",
+    max_model_len=256,
+    enforce_eager=True,
+    kv_cache_memory_bytes=32 << 20,
+    block_size=BLOCK_SIZE,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+    max_num_batched_tokens=BUDGET,
+    max_num_seqs=8,
+    seed=0,
+)
+
+
+def rounds(seed: int) -> list[dict]:
+    batch = make_prompts([3, 9, 21, 40, 75, 130], seed)
+    prefix = make_prompts([PREFIX_BLOCKS * BLOCK_SIZE], seed + 1)[0]
+    suffixes = make_prompts([5, 1, 7, 20], seed + 2)
+    return [
+        {"name": "batch", "prompts": batch},
+        {"name": "prefix_warm", "prompts": [prefix + suffixes[0]]},
+        {"name": "prefix_reuse", "prompts": [prefix + s for s in suffixes[1:]]},
+    ]
+
+
+def needs(arch: str) -> None:
+    if arch not in SERVED:
+        pytest.skip(f"ATOM's {arch} is not available (atom.registry module not installed)")
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory):
+    jobs = []
+    for i, arch in enumerate(ARCHS):
+        model = checkpoints(arch)
+        impl = "auto" if arch == "LlamaForCausalLM" else "atom"
+        jobs.append(Job(f"{arch}-atom", model, {**ENGINE, "model_impl": impl}, rounds(i)))
+        jobs.append(
+            Job(f"{arch}-stock", model, ENGINE, rounds(i), env={"ATOM_DISABLE_VLLM_PLUGIN": "1"})
+        )
+    if "LlamaForCausalLM" in ARCHS:
+        jobs.append(
+            Job(
+                "LlamaForCausalLM-vllm-impl",
+                checkpoints("LlamaForCausalLM"),
+                {**ENGINE, "model_impl": "vllm"},
+                rounds(0)[:1],
+            )
+        )
+    jobs.append(Job("GPT2LMHeadModel-plugin", checkpoints("GPT2LMHeadModel"), ENGINE, rounds(9)))
+    return run_jobs(jobs, tmp_path_factory.mktemp("vllm-llm"))
+
+
+def tokens(result, round_name: str) -> list[list[int]]:
+    return [r["token_ids"] for r in result.rounds[round_name]]
+
+
+@pytest.mark.parametrize("arch", CANDIDATES)
+def test_greedy_tokens_equal_vllm_own_model(runs, arch):
+    needs(arch)
+    atom, stock = result_of(runs, f"{arch}-atom"), result_of(runs, f"{arch}-stock")
+    for name in ("batch", "prefix_warm", "prefix_reuse"):
+        got, want = tokens(atom, name), tokens(stock, name)
+        assert all(len(t) == 8 for t in got)
+        assert got == want, f"{arch} round {name!r}: ATOM {got} != vLLM {want}"
+
+
+@pytest.mark.parametrize("arch", CANDIDATES)
+def test_prefix_cache_serves_the_shared_prefix(runs, arch):
+    needs(arch)
+    for mode in ("atom", "stock"):
+        result = result_of(runs, f"{arch}-{mode}")
+        cached = [r["num_cached_tokens"] for r in result.rounds["prefix_reuse"]]
+        assert cached == [PREFIX_BLOCKS * BLOCK_SIZE] * 3, (mode, cached)
+        assert [r["num_cached_tokens"] for r in result.rounds["batch"]] == [0] * 6
+
+
+@pytest.mark.parametrize("arch", CANDIDATES)
+def test_atom_model_and_backend_ran(runs, arch):
+    needs(arch)
+    (probe,) = result_of(runs, f"{arch}-atom").probe  # one worker (tp=1)
+    assert probe["model_class"] == f"atom_vllm.model.{arch}"
+    assert probe["atom_class"] == get_entry(arch).class_path.replace(":", ".")
+    layers = probe["attention"]
+    assert [x["layer"] for x in layers] == [
+        f"model.layers.{i}.self_attn.attn" for i in range(len(layers))
+    ]
+    for layer in layers:
+        assert layer["backend"] == "atom_vllm.attention.AtomAttentionBackend"
+        assert layer["backend_name"] == "CUSTOM"
+        assert layer["impl"] == "AtomAttentionImpl"
+        assert layer["calls"] > 0
+        # [num_blocks, K|V, block_size, kv_heads, head_dim]: ATOM's kernels' layout
+        assert layer["kv_cache_shape"][1:] == [2, BLOCK_SIZE, 2, 32]
+
+    (stock,) = result_of(runs, f"{arch}-stock").probe
+    assert stock["model_class"].startswith("vllm.model_executor.models.")
+    assert stock["atom_class"] is None
+    assert {x["backend_name"] for x in stock["attention"]} == {"CPU_ATTN"}
+
+
+def test_model_impl_vllm_runs_vllm_own_class(runs):
+    needs("LlamaForCausalLM")
+    result = result_of(runs, "LlamaForCausalLM-vllm-impl")
+    (probe,) = result.probe
+    assert probe["model_class"] == "vllm.model_executor.models.llama.LlamaForCausalLM"
+    assert {x["backend_name"] for x in probe["attention"]} == {"CPU_ATTN"}
+    assert "model_impl='vllm': LlamaForCausalLM runs vLLM's" in result.log
+    stock = result_of(runs, "LlamaForCausalLM-stock")
+    assert tokens(result, "batch") == tokens(stock, "batch")
+
+
+def test_unsupported_architecture_runs_with_vllm_class(runs):
+    result = result_of(runs, "GPT2LMHeadModel-plugin")
+    (probe,) = result.probe
+    assert probe["model_class"] == "vllm.model_executor.models.gpt2.GPT2LMHeadModel"
+    assert probe["atom_class"] is None
+    assert all(len(r["token_ids"]) == 8 for r in result.rounds["batch"])
+    assert "ATOM 0.1.0 serves" in result.log  # the plugin was active in that run
+
+
+def test_plugin_logs_served_architectures_in_every_process(runs):
+    needs("LlamaForCausalLM")
+    log = result_of(runs, "LlamaForCausalLM-atom").log
+    lines = [line for line in log.splitlines() if "ATOM 0.1.0 serves" in line]
+    # front-end, engine core, worker (vLLM prefixes the latter two with their role)
+    assert len(lines) >= 3, lines
+    assert any("EngineCore" in line for line in lines)
+    assert "LlamaForCausalLM" in lines[0]
+    assert "ATOM LlamaForCausalLM (atom.models.llama.LlamaForCausalLM) built for vLLM" in log
+    stock_log = result_of(runs, "LlamaForCausalLM-stock").log
+    assert "ATOM 0.1.0 serves" not in stock_log
+    assert "ATOM_DISABLE_VLLM_PLUGIN=1: ATOM plugin inactive" in stock_log

@@ -1,0 +1,202 @@
+"""Fast checks of the plugin's pieces, without starting a vLLM engine."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from vllm import ModelRegistry
+from vllm.model_executor.models.interfaces_base import is_text_generation_model
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+import atom_vllm
+from atom.forward_context import AttentionMetadata
+from atom.kernels.paged_attention import attention_mask, dense_attention
+from atom.registry import supported_architectures
+from atom_vllm import model as model_module
+from atom_vllm.attention import (
+    AtomAttentionBackend,
+    AtomAttentionImpl,
+    AtomAttentionMetadataBuilder,
+    to_atom_metadata,
+)
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """register() as in a new process; vLLM's registry and backend overrides restored after."""
+    models = dict(ModelRegistry.models)
+    custom = AttentionBackendEnum.CUSTOM
+    override = custom.get_path() if custom.is_overridden() else None
+    monkeypatch.setattr(atom_vllm, "_registered", None)
+    monkeypatch.delenv("ATOM_DISABLE_VLLM_PLUGIN", raising=False)
+    yield
+    ModelRegistry.models.clear()
+    ModelRegistry.models.update(models)
+    if override is None:
+        custom.clear_override()
+    else:
+        from vllm.v1.attention.backends.registry import register_backend
+
+        register_backend(custom, override)
+
+
+def test_register_serves_every_vllm_capable_architecture(fresh_plugin, caplog):
+    with caplog.at_level(logging.INFO, logger="vllm.atom_vllm"):
+        atom_vllm.register()
+    served = atom_vllm.served_architectures()
+    assert set(served) <= set(supported_architectures("vllm"))
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM"} <= set(served)
+    for arch in served:
+        lazy = ModelRegistry.models[arch]
+        assert (lazy.module_name, lazy.class_name) == ("atom_vllm.model", arch)
+    assert AttentionBackendEnum.CUSTOM.get_path() == "atom_vllm.attention.AtomAttentionBackend"
+    assert AttentionBackendEnum.CUSTOM.get_class() is AtomAttentionBackend
+    assert AttentionBackendEnum[AtomAttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM
+    assert any("serves LlamaForCausalLM" in r.getMessage() for r in caplog.records)
+
+
+def test_register_is_idempotent(fresh_plugin, monkeypatch):
+    atom_vllm.register()
+    calls = []
+    monkeypatch.setattr(ModelRegistry, "register_model", lambda *a: calls.append(a))
+    atom_vllm.register()
+    assert calls == []
+
+
+def test_disable_env_leaves_vllm_untouched(fresh_plugin, monkeypatch, capsys):
+    before = dict(ModelRegistry.models)
+    AttentionBackendEnum.CUSTOM.clear_override()
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "1")
+    atom_vllm.register()
+    assert dict(ModelRegistry.models) == before
+    assert not AttentionBackendEnum.CUSTOM.is_overridden()
+
+
+def test_register_never_raises(fresh_plugin, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("registry exploded")
+
+    monkeypatch.setattr(atom_vllm, "served_architectures", broken)
+    before = dict(ModelRegistry.models)
+    atom_vllm.register()  # logs, does not raise
+    assert dict(ModelRegistry.models) == before
+
+
+def test_register_falls_back_to_stderr_before_vllm_logging(fresh_plugin, monkeypatch, capsys):
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [])
+    atom_vllm.register()
+    assert "serves LlamaForCausalLM" in capsys.readouterr().err
+
+
+def test_wrapper_classes_implement_vllm_text_generation_interface():
+    for arch in atom_vllm.served_architectures():
+        cls = getattr(model_module, arch)
+        assert cls is getattr(model_module, arch)  # made once
+        assert cls.__name__ == arch and cls.__module__ == "atom_vllm.model"
+        assert issubclass(cls, model_module.AtomForCausalLM)
+        assert is_text_generation_model(cls)
+    with pytest.raises(AttributeError):
+        model_module.NotAModelForCausalLM  # noqa: B018
+
+
+def test_vllm_model_class_is_vllm_own_implementation():
+    cls = model_module.vllm_model_class("LlamaForCausalLM")
+    assert cls.__module__ == "vllm.model_executor.models.llama"
+
+
+def test_backend_declares_capabilities():
+    b = AtomAttentionBackend
+    assert b.get_name() == "CUSTOM"
+    assert b.get_kv_cache_shape(10, 16, 2, 32) == (10, 2, 16, 2, 32)
+    assert b.supports_sliding_window() and not b.is_mla()
+    assert b.supports_dtype(torch.float32) and b.supports_dtype(torch.bfloat16)
+    assert not b.supports_kv_cache_dtype("fp8")
+    assert AtomAttentionMetadataBuilder.reorder_batch_threshold == 1
+    assert (
+        AtomAttentionMetadataBuilder._cudagraph_support
+        == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+
+
+def _step(query_lens, context_lens, block_size, num_blocks, seed=0):
+    """A vLLM CommonAttentionMetadata for a mixed step, pages handed out shuffled."""
+    rng = random.Random(seed)
+    pages = list(range(num_blocks))
+    rng.shuffle(pages)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    width = max(-(-s // block_size) for s in seq_lens)
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    slots = []
+    for i, (c, s) in enumerate(zip(context_lens, seq_lens)):
+        row = [pages.pop() for _ in range(-(-s // block_size))]
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        slots += [row[p // block_size] * block_size + p % block_size for p in range(c, s)]
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(seq_lens),
+        num_actual_tokens=sum(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+    )
+
+
+def test_metadata_builder_maps_common_metadata_onto_atom_schema():
+    cm = _step([1, 1, 5, 9], [7, 20, 0, 4], block_size=4, num_blocks=64)
+    md = to_atom_metadata(cm)
+    assert isinstance(md, AttentionMetadata)
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 2)
+    assert md.host_query_start_loc() == [0, 1, 2, 7, 16]
+    assert md.host_seq_lens() == [8, 21, 5, 13]
+    assert md.slot_mapping.dtype == torch.int64 and md.num_tokens == 16
+    assert (md.max_query_len, md.max_seq_len) == (9, 21)
+    assert md.block_table is cm.block_table_tensor or torch.equal(
+        md.block_table, cm.block_table_tensor
+    )
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_impl_writes_cache_then_matches_dense_attention(sliding_window):
+    torch.manual_seed(0)
+    hq, hkv, d, bs, nb = 4, 2, 32, 4, 64
+    context, query = [7, 20, 0, 4], [1, 1, 5, 9]
+    cm = _step(query, context, bs, nb)
+    md = to_atom_metadata(cm)
+    kv_cache = torch.zeros(AtomAttentionBackend.get_kv_cache_shape(nb, bs, hkv, d))
+    # The cached context of each sequence, written as earlier steps would have.
+    history = []
+    for i, c in enumerate(context):
+        k, v = torch.randn(c + query[i], hkv, d), torch.randn(c + query[i], hkv, d)
+        history.append((k, v))
+        for p in range(c):
+            page = int(cm.block_table_tensor[i, p // bs])
+            kv_cache[page, 0, p % bs], kv_cache[page, 1, p % bs] = k[p], v[p]
+    q = torch.randn(sum(query), hq, d)
+    k_new = torch.cat([k[c:] for (k, _), c in zip(history, context)])
+    v_new = torch.cat([v[c:] for (_, v), c in zip(history, context)])
+    impl = AtomAttentionImpl(hq, d, d**-0.5, hkv, None, sliding_window, "auto")
+    out = torch.empty(sum(query), hq, d)
+    impl.forward(None, q, k_new, v_new, kv_cache, md, out)
+    start = 0
+    for (k, v), c, n in zip(history, context, query):
+        positions = torch.arange(c, c + n)
+        mask = attention_mask(positions, c + n, sliding_window)
+        want = dense_attention(q[start : start + n], k, v, mask, d**-0.5, None)
+        torch.testing.assert_close(out[start : start + n], want, rtol=1e-5, atol=1e-5)
+        start += n
+    assert impl.num_calls == 1
+
+
+def test_impl_rejects_what_it_cannot_do():
+    with pytest.raises(NotImplementedError, match="fp8"):
+        AtomAttentionImpl(4, 32, 0.1, 2, None, None, "fp8")
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        AtomAttentionImpl(4, 32, 0.1, 2, [0.1] * 4, None, "auto")

@@ -1,0 +1,59 @@
+"""One vLLM engine, several rounds of greedy generation, one JSON line on stdout.
+
+Run as `python vllm_job.py job.json` (the tests start one such process per engine
+configuration, because an engine start costs 20-45 s here). The job file holds:
+
+    {"model": path, "engine": {LLM kwargs}, "max_tokens": n, "probe": bool,
+     "rounds": [{"name": str, "prompts": [[token ids], ...]}, ...]}
+
+The result line is `ATOM_JOB_RESULT {...}` with, per round, each prompt's generated
+token ids and `num_cached_tokens`, and (with "probe") what each worker actually built
+(`atom_vllm.report.describe_model` through `LLM.apply_model`, which needs
+VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the environment).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+RESULT_TAG = "ATOM_JOB_RESULT "
+
+
+def main(job_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    job = json.loads(Path(job_path).read_text())
+    started = time.perf_counter()
+    llm = LLM(model=job["model"], **job["engine"])
+    init_s = time.perf_counter() - started
+    params = SamplingParams(
+        max_tokens=job.get("max_tokens", 8), temperature=0.0, ignore_eos=True, detokenize=False
+    )
+    rounds = {}
+    generate_s = 0.0
+    for spec in job["rounds"]:
+        t = time.perf_counter()
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False
+        )
+        generate_s += time.perf_counter() - t
+        rounds[spec["name"]] = [
+            {
+                "token_ids": list(o.outputs[0].token_ids),
+                "num_cached_tokens": o.num_cached_tokens or 0,
+            }
+            for o in outputs
+        ]
+    result = {"rounds": rounds, "init_s": init_s, "generate_s": generate_s}
+    if job.get("probe"):
+        from atom_vllm.report import describe_model
+
+        result["probe"] = llm.apply_model(describe_model)
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
