@@ -196,7 +196,10 @@ class LLMEngine:
             seq.logprobs.append(result.top_logprobs)
         self._check_stop(seq, result.token_id)
         if seq.finish_reason is not None:
-            self.detokenizer.update(seq)
+            # Flush text held back as incomplete, unless a stop string already cut it short
+            # (re-decoding would bring the stop string back).
+            if not isinstance(seq.stop_reason, str):
+                self.detokenizer.update(seq)
             self.scheduler.finish(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
