@@ -17,6 +17,7 @@ from atom.kernels.mla import (
     mla_prefill_attention,
     write_mla_cache,
 )
+from atom.kernels.moe import fused_moe, grouped_topk, topk_softmax
 from atom.kernels.norm import fused_add_rms_norm, rms_norm
 from atom.kernels.paged_attention import paged_attention
 from atom.kernels.rotary import apply_rotary_emb, compute_cos_sin_cache
@@ -28,6 +29,8 @@ __all__ = [
     "dequantize_fp8",
     "fp8_scaled_mm",
     "fused_add_rms_norm",
+    "fused_moe",
+    "grouped_topk",
     "mla_attention",
     "mla_decode_attention",
     "mla_prefill_attention",
@@ -38,6 +41,7 @@ __all__ = [
     "quantize_fp8_per_token_group",
     "rms_norm",
     "silu_and_mul",
+    "topk_softmax",
     "write_kv_cache",
     "write_mla_cache",
 ]

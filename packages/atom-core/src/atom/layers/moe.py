@@ -1,0 +1,156 @@
+"""The fused MoE layer: routing + experts, experts sharded over TP in the weight loader.
+
+Expert weights are stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+Each rank holds a slice of every expert's intermediate dimension, so the outputs are
+summed with one all-reduce, as in a row-parallel linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.distributed import divide, get_tp_group
+from atom.kernels import fused_moe, grouped_topk, topk_softmax
+from atom.layers.quantization import QuantizationConfig, set_weight_attrs
+
+# Checkpoint shard names: w1 = gate, w3 = up (both in w13), w2 = down.
+_W13_HALF = {"w1": 0, "w3": 1}
+
+
+class UnquantizedMoEMethod:
+    def create_weights(
+        self, layer: FusedMoE, num_experts: int, hidden: int, inter: int, dtype
+    ) -> None:
+        layer.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False
+        )
+        layer.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False
+        )
+        for param in (layer.w13_weight, layer.w2_weight):
+            set_weight_attrs(param, weight_loader=layer.weight_loader)
+
+    def apply(self, layer: FusedMoE, x, topk_weights, topk_ids) -> torch.Tensor:
+        return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        pass
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        renormalize: bool = True,
+        use_grouped_topk: bool = False,
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        scoring_func: str = "softmax",
+        e_score_correction_bias: bool = False,
+        routed_scaling_factor: float = 1.0,
+        reduce_results: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):
+        super().__init__()
+        self.tp = get_tp_group()
+        self.prefix = prefix
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.use_grouped_topk = use_grouped_topk
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
+        self.scoring_func = scoring_func
+        self.routed_scaling_factor = routed_scaling_factor
+        self.reduce_results = reduce_results
+        self.intermediate_per_rank = divide(
+            intermediate_size, self.tp.world_size, f"{prefix} moe_intermediate_size"
+        )
+        if e_score_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32), requires_grad=False
+            )
+        else:
+            self.e_score_correction_bias = None
+        self.quant_method = (
+            quant_config.moe_method(prefix) if quant_config else UnquantizedMoEMethod()
+        )
+        self.quant_method.create_weights(
+            self, num_experts, hidden_size, self.intermediate_per_rank, torch.get_default_dtype()
+        )
+
+    @staticmethod
+    def make_expert_params_mapping(
+        ckpt_gate_proj_name: str, ckpt_down_proj_name: str, ckpt_up_proj_name: str, num_experts: int
+    ) -> list[tuple[str, str, int, str]]:
+        """(param fragment, checkpoint fragment, expert id, shard id) for `load_with_mapping`.
+
+        Fragments end with "." so that expert 1 does not match expert 11.
+        """
+        mapping = []
+        for expert in range(num_experts):
+            for shard, name in (
+                ("w1", ckpt_gate_proj_name),
+                ("w2", ckpt_down_proj_name),
+                ("w3", ckpt_up_proj_name),
+            ):
+                param = "experts.w13_" if shard in _W13_HALF else "experts.w2_"
+                mapping.append((param, f"experts.{expert}.{name}.", expert, shard))
+        return mapping
+
+    def weight_loader(
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor,
+        weight_name: str,
+        shard_id: str,
+        expert_id: int,
+    ) -> None:
+        """Copies one expert's gate, up or down tensor (or its scale) into the stacked param."""
+        target = param.data[expert_id]
+        if getattr(param, "per_shard", False):  # one scalar per expert and shard
+            target[_W13_HALF.get(shard_id, 0)].copy_(loaded.reshape(()))
+            return
+        block = getattr(param, "shard_block", 1)
+        rows = -(-self.intermediate_per_rank // block)
+        if shard_id in _W13_HALF:
+            source = loaded.narrow(0, self.tp.rank * rows, rows)
+            target = target.narrow(0, _W13_HALF[shard_id] * rows, rows)
+        else:
+            source = loaded.narrow(1, self.tp.rank * rows, rows)
+        if source.shape != target.shape:
+            raise ValueError(
+                f"shape mismatch: expert {expert_id} {shard_id} expects {tuple(target.shape)}, "
+                f"checkpoint slice is {tuple(source.shape)}"
+            )
+        target.copy_(source)
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_grouped_topk:
+            return grouped_topk(
+                router_logits,
+                self.top_k,
+                self.num_expert_group,
+                self.topk_group,
+                self.renormalize,
+                self.scoring_func,
+                self.e_score_correction_bias,
+                self.routed_scaling_factor,
+            )
+        return topk_softmax(router_logits, self.top_k, self.renormalize)
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(router_logits)
+        out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
+        if self.reduce_results and self.tp.world_size > 1:
+            out = self.tp.all_reduce(out)
+        return out
