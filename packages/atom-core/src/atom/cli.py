@@ -1,4 +1,4 @@
-"""The `atom` command line: demo, generate (and serve, once the server lands)."""
+"""The `atom` command line: demo, generate, serve."""
 
 from __future__ import annotations
 
@@ -63,6 +63,19 @@ def _generate(args: argparse.Namespace) -> None:
         print(completion.text if llm.tokenizer is not None else completion.token_ids)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from atom.server import run_server
+
+    kwargs = engine_kwargs(args)
+    run_server(
+        kwargs.pop("model"),
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        **kwargs,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atom", description="ATOM: LLM models, kernels and engine"
@@ -87,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int)
     generate.set_defaults(func=_generate)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", help="the model name clients use (default: MODEL)")
+    serve.set_defaults(func=_serve)
     return parser
 
 

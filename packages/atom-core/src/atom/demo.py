@@ -132,6 +132,41 @@ def write_demo_model(folder: str | Path, vocab_size: int = 128, seed: int = 0) -
     return folder
 
 
+def serve_one_request(llm, prompt: str) -> dict:
+    """Starts the OpenAI server on a free loopback port, sends one completion, stops."""
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+
+    from atom.server import AsyncEngine, build_app
+
+    engine = AsyncEngine(llm.engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(engine, "demo"), port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):  # up to 10 s for the server to come up
+            try:
+                httpx.get(f"{url}/health", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                threading.Event().wait(0.1)
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+
+
 def run_demo(out: str | None = None) -> None:
     from atom import LLM, SamplingParams
 
@@ -143,3 +178,5 @@ def run_demo(out: str | None = None) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for output in llm.generate(prompts, params):
         print(f"prompt:     {output.prompt!r}\ncompletion: {output.outputs[0].text!r}")
+    response = serve_one_request(llm, prompts[0])
+    print(f"served /v1/completions: {response['choices'][0]['text']!r}")
