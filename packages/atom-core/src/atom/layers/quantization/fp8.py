@@ -186,3 +186,79 @@ class Fp8Config(_IgnoringConfig):
         if self.block_size:
             return Fp8BlockLinearMethod(self.block_size)
         return Fp8PerTensorLinearMethod(static_input_scale=self.activation_scheme == "static")
+
+    def moe_method(self, prefix: str):
+        if self.block_size:
+            return Fp8BlockMoEMethod(self.block_size)
+        if self.activation_scheme != "dynamic":
+            raise ValueError("FP8 MoE experts support activation_scheme 'dynamic' only")
+        return Fp8PerTensorMoEMethod()
+
+
+def _expert_param(layer, name: str, shape: tuple[int, ...], dtype, **attrs) -> None:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    layer.register_parameter(
+        name, set_weight_attrs(param, weight_loader=layer.weight_loader, **attrs)
+    )
+
+
+class Fp8BlockMoEMethod:
+    """Experts with 128x128 block scales (`weight_scale_inv`), as DeepSeek-V3 ships them."""
+
+    def __init__(self, block_size: tuple[int, int]):
+        self.block_size = block_size
+
+    def create_weights(self, layer, num_experts: int, hidden: int, inter: int, dtype) -> None:
+        bn, bk = self.block_size
+        if inter % bn or hidden % bk:
+            raise ValueError(
+                f"{layer.prefix}: expert sizes (hidden {hidden}, intermediate {inter} per rank) "
+                f"must be multiples of the FP8 block size {self.block_size}"
+            )
+        _expert_param(layer, "w13_weight", (num_experts, 2 * inter, hidden), FP8_DTYPE)
+        _expert_param(layer, "w2_weight", (num_experts, hidden, inter), FP8_DTYPE)
+        scale_shape13 = (num_experts, 2 * inter // bn, hidden // bk)
+        _expert_param(layer, "w13_weight_scale_inv", scale_shape13, torch.float32, shard_block=bn)
+        _expert_param(
+            layer,
+            "w2_weight_scale_inv",
+            (num_experts, hidden // bn, inter // bk),
+            torch.float32,
+            shard_block=bk,
+        )
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        from atom.kernels.moe import fused_moe
+
+        return fused_moe(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+            w13_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv,
+            block_size=self.block_size,
+        )  # fmt: skip
+
+    def process_weights_after_loading(self, layer) -> None:
+        pass
+
+
+class Fp8PerTensorMoEMethod:
+    """One scale per expert and projection; activations stay in high precision (W8A16)."""
+
+    def create_weights(self, layer, num_experts: int, hidden: int, inter: int, dtype) -> None:
+        _expert_param(layer, "w13_weight", (num_experts, 2 * inter, hidden), FP8_DTYPE)
+        _expert_param(layer, "w2_weight", (num_experts, hidden, inter), FP8_DTYPE)
+        _expert_param(layer, "w13_weight_scale", (num_experts, 2), torch.float32, per_shard=True)
+        _expert_param(layer, "w2_weight_scale", (num_experts, 1), torch.float32, per_shard=True)
+        self.intermediate = inter
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        from atom.kernels.moe import fused_moe
+
+        return fused_moe(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+            w13_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,
+        )  # fmt: skip
+
+    def process_weights_after_loading(self, layer) -> None:
+        # gate and up scales become per-row scales of the stacked w13 [E, 2I, 1].
+        rows = layer.w13_weight_scale.repeat_interleave(self.intermediate, dim=1).unsqueeze(-1)
+        layer.w13_weight_scale = nn.Parameter(rows, requires_grad=False)
