@@ -15,6 +15,7 @@ from atom.config import ModelConfig
 from atom.distributed import SingleProcessGroup, TorchDistributedGroup, set_tp_group
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
 from tests.models.harness import make_prompts, write_checkpoint
+from tests.models.test_deepseek import CASES as DEEPSEEK_CASES
 from tests.models.test_llama import llama_config
 
 BLOCK_SIZE = 4
@@ -73,6 +74,7 @@ CASES = {
         head_dim=16,
         architectures=["Qwen3ForCausalLM"],
     ),
+    "deepseek-v3-mla-qlora": DEEPSEEK_CASES["v3-grouped-qlora-dense1"],
 }
 
 

@@ -115,12 +115,19 @@ def _sliding_window(config: Any, prefix: str) -> int | None:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, quant_config=None, prefix: str = "", qk_norm: bool = False):
+    def __init__(self, config: Any, quant_config=None, prefix: str = "", **attn_kwargs):
         super().__init__()
-        self.self_attn = LlamaAttention(config, quant_config, f"{prefix}.self_attn", qk_norm)
+        self.self_attn = self.build_attention(
+            config, quant_config, f"{prefix}.self_attn", **attn_kwargs
+        )
         self.mlp = self.build_mlp(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_attention(
+        self, config: Any, quant_config, prefix: str, qk_norm: bool = False
+    ) -> nn.Module:
+        return LlamaAttention(config, quant_config, prefix, qk_norm)
 
     def build_mlp(self, config: Any, quant_config, prefix: str) -> nn.Module:
         return LlamaMLP(config.hidden_size, config.intermediate_size, quant_config, prefix)
