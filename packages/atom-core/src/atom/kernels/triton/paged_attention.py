@@ -35,6 +35,17 @@ def _scores(q, k, scale, soft_cap, USE_SOFT_CAP: tl.constexpr, PRECISION: tl.con
 
 
 @triton.jit
+def _online_softmax_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """Folds one tile of scores s [rows, n] and values v [n, dv] into the running state."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _load_page_rows(
     cache_ptr,
     table_row_ptr,
@@ -123,11 +134,6 @@ def _prefill_kernel(
         if USE_WINDOW:
             allowed &= n[None, :] > q_pos[:, None] - window
         s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_page_rows(
             v_cache_ptr,
             table_row,
@@ -141,8 +147,7 @@ def _prefill_kernel(
             vdims < v_head_dim,
             block_size,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
     acc = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
     o_ptrs = (
         out_ptr
@@ -209,11 +214,6 @@ def _decode_split_kernel(
         )
         s = _scores(q, k, scale, soft_cap, USE_SOFT_CAP, PRECISION)
         s = tl.where(n_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_page_rows(
             v_cache_ptr,
             table_row,
@@ -227,8 +227,7 @@ def _decode_split_kernel(
             vdims < v_head_dim,
             block_size,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
     part = (seq * num_q_heads + head) * NUM_SPLITS + split
     tl.store(part_max_ptr + part, m_i, mask=row_valid)
     tl.store(part_sum_ptr + part, l_i, mask=row_valid)
