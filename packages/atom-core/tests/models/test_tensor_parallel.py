@@ -17,6 +17,7 @@ from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, 
 from tests.models.harness import make_prompts, write_checkpoint
 from tests.models.test_deepseek import CASES as DEEPSEEK_CASES
 from tests.models.test_llama import llama_config
+from tests.models.test_moe_models import CASES as MOE_CASES
 
 BLOCK_SIZE = 4
 
@@ -75,6 +76,8 @@ CASES = {
         architectures=["Qwen3ForCausalLM"],
     ),
     "deepseek-v3-mla-qlora": DEEPSEEK_CASES["v3-grouped-qlora-dense1"],
+    "qwen3-moe": MOE_CASES["qwen3-moe-top2-norm"],
+    "mixtral-mqa": MOE_CASES["mixtral-top1-mqa"],
 }
 
 
