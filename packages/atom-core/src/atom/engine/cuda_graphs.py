@@ -12,6 +12,18 @@ from torch import nn
 
 from atom.engine.model_runner import StepInput
 from atom.forward_context import AttentionMetadata, set_forward_context
+from atom.kernels.policy import selected_backend
+
+
+def graph_blockers(model: nn.Module, device: torch.device) -> list[str]:
+    """Parts of the model that cannot be captured: torch reference ops that read sequence
+    lengths or expert counts on the host (modules declare `cuda_graph_safe = False`)."""
+    blockers = {
+        type(m).__name__ for m in model.modules() if not getattr(m, "cuda_graph_safe", True)
+    }
+    if selected_backend("paged_attention", device) == "torch":
+        blockers.add("torch paged attention")
+    return sorted(blockers)
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:

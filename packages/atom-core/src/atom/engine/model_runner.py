@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ from atom.config import ModelConfig
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.quantization import get_quant_config
 from atom.loader import load_model_weights
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -83,8 +86,14 @@ class ModelRunner:
         self.decode_graphs = None
 
     def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        from atom.engine.cuda_graphs import DecodeGraphs
+        from atom.engine.cuda_graphs import DecodeGraphs, graph_blockers
 
+        blockers = graph_blockers(self.model, self.device)
+        if blockers:
+            logger.warning(
+                "decode runs without CUDA graphs: %s cannot be captured", ", ".join(blockers)
+            )
+            return
         max_blocks = -(-max_model_len // self.block_size)
         self.decode_graphs = DecodeGraphs(
             self.model, max_batch_size, max_blocks, self.block_size, self.device

@@ -18,6 +18,9 @@ class NativeMLAImpl(nn.Module):
     spec's kv_b_proj once its weights are loaded (`process_weights_after_loading`).
     """
 
+    # The torch MLA reference loops over host-side sequence lengths.
+    cuda_graph_safe = False
+
     def __init__(self, spec: AttentionSpec):
         super().__init__()
         if spec.kv_b_proj is None:

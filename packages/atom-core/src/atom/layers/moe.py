@@ -39,6 +39,9 @@ class UnquantizedMoEMethod:
 
 
 class FusedMoE(nn.Module):
+    # The torch fused-MoE reference loops over the experts that received tokens.
+    cuda_graph_safe = False
+
     def __init__(
         self,
         num_experts: int,
