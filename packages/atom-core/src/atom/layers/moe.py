@@ -149,7 +149,8 @@ class FusedMoE(nn.Module):
                 self.e_score_correction_bias,
                 self.routed_scaling_factor,
             )
-        return topk_softmax(router_logits, self.top_k, self.renormalize)
+        weights, ids = topk_softmax(router_logits, self.top_k, self.renormalize)
+        return weights * self.routed_scaling_factor, ids
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(router_logits)
