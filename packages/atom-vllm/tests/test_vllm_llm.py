@@ -17,7 +17,7 @@ prompts, one prompt with a 48-token prefix, then three prompts sharing that pref
 from __future__ import annotations
 
 import pytest
-from vllm_harness import Job, make_prompts, result_of, run_jobs
+from vllm_harness import BLOCK_SIZE, ENGINE, PREFIX_BLOCKS, Job, result_of, rounds, run_jobs
 
 from atom.registry import get_entry
 from atom_vllm import served_architectures
@@ -32,34 +32,6 @@ CANDIDATES = [
 ]
 SERVED = set(served_architectures())
 ARCHS = [a for a in CANDIDATES if a in SERVED]
-PREFIX_BLOCKS = 3
-BLOCK_SIZE = 16
-BUDGET = 48
-
-ENGINE = dict(
-    skip_tokenizer_init=True,
-    dtype="float32",
-    max_model_len=256,
-    enforce_eager=True,
-    kv_cache_memory_bytes=32 << 20,
-    block_size=BLOCK_SIZE,
-    enable_prefix_caching=True,
-    enable_chunked_prefill=True,
-    max_num_batched_tokens=BUDGET,
-    max_num_seqs=8,
-    seed=0,
-)
-
-
-def rounds(seed: int) -> list[dict]:
-    batch = make_prompts([3, 9, 21, 40, 75, 130], seed)
-    prefix = make_prompts([PREFIX_BLOCKS * BLOCK_SIZE], seed + 1)[0]
-    suffixes = make_prompts([5, 1, 7, 20], seed + 2)
-    return [
-        {"name": "batch", "prompts": batch},
-        {"name": "prefix_warm", "prompts": [prefix + suffixes[0]]},
-        {"name": "prefix_reuse", "prompts": [prefix + s for s in suffixes[1:]]},
-    ]
 
 
 def needs(arch: str) -> None:

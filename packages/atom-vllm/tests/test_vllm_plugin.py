@@ -200,3 +200,25 @@ def test_impl_rejects_what_it_cannot_do():
         AtomAttentionImpl(4, 32, 0.1, 2, None, None, "fp8")
     with pytest.raises(NotImplementedError, match="ALiBi"):
         AtomAttentionImpl(4, 32, 0.1, 2, [0.1] * 4, None, "auto")
+
+
+def test_mla_backend_declares_latent_cache():
+    from atom_vllm.mla import AtomMLABackend, AtomMLAMetadataBuilder
+
+    assert AtomMLABackend.is_mla() and AtomMLABackend.get_name() == "CUSTOM"
+    assert AtomMLABackend.get_kv_cache_shape(10, 16, 1, 80) == (10, 16, 80)
+    assert AtomMLABackend.get_builder_cls() is AtomMLAMetadataBuilder
+    assert AtomMLAMetadataBuilder.reorder_batch_threshold == 1
+    assert not AtomMLABackend.supports_pcp()  # get_impl_cls: ATOM's impl, not vLLM's
+
+
+def test_served_architectures_include_mla_models_when_installed():
+    import importlib.util
+
+    served = atom_vllm.served_architectures()
+    for arch, module in [
+        ("DeepseekV2ForCausalLM", "atom.models.deepseek_v2"),
+        ("Qwen3MoeForCausalLM", "atom.models.qwen3_moe"),
+        ("MixtralForCausalLM", "atom.models.mixtral"),
+    ]:
+        assert (arch in served) == (importlib.util.find_spec(module) is not None)

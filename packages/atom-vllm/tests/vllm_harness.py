@@ -74,7 +74,7 @@ def tiny_config(architecture: str):
             qk_nope_head_dim=32,
             qk_rope_head_dim=16,
             v_head_dim=32,
-            n_routed_experts=4,
+            n_routed_experts=8,
             n_shared_experts=1,
             num_experts_per_tok=2,
             first_k_dense_replace=1,
@@ -83,8 +83,25 @@ def tiny_config(architecture: str):
             tie_word_embeddings=False,
         )
         if architecture == "DeepseekV2ForCausalLM":
-            return transformers.DeepseekV2Config(**mla, n_group=1, topk_group=1)
-        return transformers.DeepseekV3Config(**{**mla, "q_lora_rank": 48}, n_group=1, topk_group=1)
+            return transformers.DeepseekV2Config(**mla)
+        # V3: q-LoRA, group-limited routing with a scaling factor, yarn rope with mscale.
+        yarn = {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "rope_theta": 10000.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        }
+        return transformers.DeepseekV3Config(
+            **{**mla, "q_lora_rank": 48},
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters=yarn,
+        )
     if architecture == "GPT2LMHeadModel":
         return transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512
@@ -220,3 +237,36 @@ def result_of(results: dict[str, Any], name: str) -> JobResult:
     if isinstance(value, BaseException):
         raise value
     return value
+
+
+# --------------------------------------------------------------------------- the rounds
+
+# Every equality engine: fp32, prefix caching on, chunked prefill with a 48-token budget.
+PREFIX_BLOCKS = 3
+BLOCK_SIZE = 16
+BUDGET = 48
+
+ENGINE = dict(
+    skip_tokenizer_init=True,
+    dtype="float32",
+    max_model_len=256,
+    enforce_eager=True,
+    kv_cache_memory_bytes=32 << 20,
+    block_size=BLOCK_SIZE,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+    max_num_batched_tokens=BUDGET,
+    max_num_seqs=8,
+    seed=0,
+)
+
+
+def rounds(seed: int) -> list[dict]:
+    batch = make_prompts([3, 9, 21, 40, 75, 130], seed)
+    prefix = make_prompts([PREFIX_BLOCKS * BLOCK_SIZE], seed + 1)[0]
+    suffixes = make_prompts([5, 1, 7, 20], seed + 2)
+    return [
+        {"name": "batch", "prompts": batch},
+        {"name": "prefix_warm", "prompts": [prefix + suffixes[0]]},
+        {"name": "prefix_reuse", "prompts": [prefix + s for s in suffixes[1:]]},
+    ]

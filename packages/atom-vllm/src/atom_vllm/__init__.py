@@ -27,7 +27,7 @@ MODEL_MODULE = "atom_vllm.model"
 logger = logging.getLogger("vllm.atom_vllm")
 
 # Attention kinds this plugin has a vLLM backend for (atom.registry ModelEntry.attention).
-ATTENTION_KINDS = ("MHA",)
+ATTENTION_KINDS = ("MHA", "MLA")
 
 _registered: list[str] | None = None
 

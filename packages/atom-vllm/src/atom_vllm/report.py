@@ -32,7 +32,7 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
                 "backend": f"{backend.__module__}.{backend.__qualname__}",
                 "backend_name": backend.get_name(),
                 "impl": type(impl).__name__ if impl is not None else None,
-                "calls": getattr(impl, "num_calls", None),
+                "calls": getattr(impl, "num_calls", getattr(module, "num_calls", None)),
                 "kv_cache_shape": list(kv_cache.shape) if hasattr(kv_cache, "shape") else None,
             }
         )

