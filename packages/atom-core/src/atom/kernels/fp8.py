@@ -76,19 +76,25 @@ def dequantize_fp8(
     block_size: tuple[int, int] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Inverse of the quantizers: scale is [] / [1], per row [N, 1], or per block."""
+    """Inverse of the quantizers.
+
+    Without block_size the scale broadcasts: [] or [1] per tensor, [N, 1] per row. With
+    block_size (bn, bk) it has one entry per tile, [ceil(N / bn), ceil(K / bk)]; per token
+    group scales are tiles of (1, group_size).
+    """
+    scale = scale.float()
     if block_size is not None:
-        scale = _expand_block_scale(scale.float(), q.shape, block_size)
-    elif scale.dim() == 2 and scale.shape[1] not in (1, q.shape[1]):
-        # Per-token-group activation scales [M, K / group].
-        group = -(-q.shape[1] // scale.shape[1])
-        scale = scale.float().repeat_interleave(group, 1)[:, : q.shape[1]]
-    return (q.float() * scale.float()).to(dtype)
+        scale = _expand_block_scale(scale, q.shape, block_size)
+    return (q.float() * scale).to(dtype)
 
 
 @register("fp8_scaled_mm", "torch")
 def fp8_scaled_mm_torch(a_q, a_scale, b_q, b_scale, out_dtype, bias, block_size):
-    a = dequantize_fp8(a_q, a_scale)
+    # In block mode the activation's token groups span one weight tile's K extent (which
+    # need not divide K); a per-tensor or per-token scale simply broadcasts.
+    grouped = block_size is not None and a_scale.dim() == 2 and a_scale.shape[1] > 1
+    a_groups = (1, block_size[1]) if grouped else None
+    a = dequantize_fp8(a_q, a_scale, a_groups)
     b = dequantize_fp8(b_q, b_scale, block_size)
     out = a @ b.T
     if bias is not None:
@@ -107,8 +113,8 @@ def fp8_scaled_mm(
 ) -> torch.Tensor:
     """dequant(a) [M, K] @ dequant(b) [N, K]^T (+ bias), fp32 accumulation.
 
-    a_scale: [1], per token [M, 1] or per token group [M, K/128] (block mode);
-    b_scale: [1], per channel [N, 1] or block [N/bn, K/bk] (with block_size).
+    a_scale: [1], per token [M, 1] or per token group [M, ceil(K / bk)] (block mode);
+    b_scale: [1], per channel [N, 1] or block [ceil(N / bn), ceil(K / bk)] (with block_size).
     """
     return dispatch("fp8_scaled_mm", a_q.device)(
         a_q, a_scale, b_q, b_scale, out_dtype, bias, block_size

@@ -19,7 +19,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def fused_add_rms_norm_torch(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = x + residual
+    residual = (x + residual).to(x.dtype)
     return rms_norm_torch(residual, weight, eps), residual
 
 
