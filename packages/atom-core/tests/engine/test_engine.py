@@ -33,7 +33,6 @@ def hf_greedy(checkpoint, prompts):
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=12,
-                min_new_tokens=12,
                 do_sample=False,
                 pad_token_id=0,
             )

@@ -43,6 +43,9 @@ def write_checkpoint(
 
 def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    # Greedy references run to max_new_tokens through EOS, like ignore_eos in ATOM.
+    # (min_new_tokens would instead forbid EOS and change the argmax.)
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 
@@ -167,7 +170,6 @@ def check_greedy_generation(
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,
             )[0, len(prompt) :].tolist()
