@@ -1,13 +1,19 @@
-"""MoE routing and the fused expert computation against HF's modules and naive loops."""
+"""MoE routing, the fused expert computation and the FusedMoE layer against HF's modules
+and naive loops."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from atom.kernels.fp8 import dequantize_fp8, quantize_fp8_per_block
+from atom.distributed import SingleProcessGroup, get_tp_group, set_tp_group
+from atom.kernels.fp8 import dequantize_fp8, quantize_fp8_per_block, quantize_fp8_per_tensor
 from atom.kernels.moe import fused_moe, grouped_topk, topk_softmax
+from atom.layers.moe import FusedMoE
+from atom.loader import check_all_loaded, load_with_mapping
 
 
 def naive_moe(x, w13, w2, weights, ids, quantize_input=lambda v: v):
@@ -27,21 +33,77 @@ def fake_quant_groups(v: torch.Tensor, group: int = 128) -> torch.Tensor:
     return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).view_as(v)
 
 
-@pytest.mark.parametrize("top_k, renormalize", [(1, False), (2, True), (4, False), (4, True)])
-def test_topk_softmax_matches_hf_qwen3_router(top_k, renormalize):
+def hf_router(arch: str, top_k: int, renormalize: bool) -> torch.nn.Module:
+    if arch == "mixtral":  # Mixtral always renormalises
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+        config = MixtralConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=top_k)
+        return MixtralTopKRouter(config)
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     config = Qwen3MoeConfig(
         hidden_size=16, num_experts=8, num_experts_per_tok=top_k, norm_topk_prob=renormalize
     )
-    router = Qwen3MoeTopKRouter(config)
+    return Qwen3MoeTopKRouter(config)
+
+
+@pytest.mark.parametrize(
+    "arch, top_k, renormalize",
+    [("qwen3", 1, False), ("qwen3", 2, True), ("qwen3", 4, False), ("qwen3", 4, True),
+     ("mixtral", 1, True), ("mixtral", 2, True)],
+)  # fmt: skip
+def test_topk_softmax_matches_hf_router(arch, top_k, renormalize):
+    router = hf_router(arch, top_k, renormalize)
     torch.nn.init.normal_(router.weight)
-    x = torch.randn(11, 16)
-    logits, hf_weights, hf_ids = router(x)
+    logits, hf_weights, hf_ids = router(torch.randn(11, 16))
     weights, ids = topk_softmax(logits, top_k, renormalize)
     assert torch.equal(ids.long(), hf_ids)
     torch.testing.assert_close(weights, hf_weights.float())
+
+
+def naive_grouped_topk(logits, top_k, groups, topk_group, renormalize, scoring, bias, factor):
+    """One token at a time, straight from the DeepSeek papers' description."""
+    all_weights, all_ids = [], []
+    for row in logits.float():
+        scores = row.sigmoid() if scoring == "sigmoid" else row.softmax(-1)
+        choice = scores if bias is None else scores + bias
+        candidates = list(range(len(row)))
+        if groups:
+            size = len(row) // groups
+            members = [candidates[g * size : (g + 1) * size] for g in range(groups)]
+            # V3 (biased) ranks a group by its best two choices, V2 by its best one.
+            best = 2 if bias is not None else 1
+            rank = [sorted((float(choice[e]) for e in m), reverse=True)[:best] for m in members]
+            kept = sorted(range(groups), key=lambda g: -sum(rank[g]))[:topk_group]
+            candidates = [e for g in kept for e in members[g]]
+        ids = sorted(candidates, key=lambda e: -float(choice[e]))[:top_k]
+        weights = scores[ids]
+        if renormalize:
+            weights = weights / weights.sum()
+        all_weights.append(weights * factor)
+        all_ids.append(ids)
+    return torch.stack(all_weights), torch.tensor(all_ids)
+
+
+@pytest.mark.parametrize(
+    "scoring, groups, topk_group, with_bias, renormalize",
+    [("sigmoid", 4, 2, True, True), ("sigmoid", 8, 3, True, False), ("sigmoid", None, None, True, True),
+     ("softmax", 4, 1, False, True), ("softmax", None, None, False, False)],
+)  # fmt: skip
+def test_grouped_topk_matches_naive_loop(scoring, groups, topk_group, with_bias, renormalize):
+    torch.manual_seed(0)
+    logits = torch.randn(15, 16)
+    bias = torch.randn(16) / 4 if with_bias else None
+    args = (4, groups, topk_group, renormalize, scoring, bias, 1.75)
+    weights, ids = grouped_topk(logits, *args)
+    want_weights, want_ids = naive_grouped_topk(logits, *args)
+    order, want_order = ids.long().sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(
+        weights.gather(1, order.indices), want_weights.gather(1, want_order.indices)
+    )
 
 
 def test_grouped_topk_matches_hf_deepseek_v3():
@@ -120,3 +182,72 @@ def test_fused_moe_fp8_block_matches_dequantized_experts():
     deq2 = torch.stack([dequantize_fp8(q, s, (128, 128)) for q, s in zip(q2, s2)])
     want = naive_moe(x, deq13, deq2, weights, ids, quantize_input=fake_quant_groups)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("granularity", ["per-expert", "per-row"])
+def test_fused_moe_fp8_per_tensor_matches_dequantized_experts(granularity):
+    torch.manual_seed(0)
+    experts, hidden, inter, tokens = 4, 32, 24, 9
+    w13 = torch.randn(experts, 2 * inter, hidden) / 8
+    w2 = torch.randn(experts, hidden, inter) / 8
+    q13, s13 = map(torch.stack, zip(*(quantize_fp8_per_tensor(w) for w in w13)))
+    q2, s2 = map(torch.stack, zip(*(quantize_fp8_per_tensor(w) for w in w2)))
+    if granularity == "per-expert":
+        s13, s2 = s13.view(experts), s2.view(experts)
+    else:  # what the FP8 MoE method hands over after merging gate and up scales
+        s13 = s13.view(experts, 1, 1).expand(experts, 2 * inter, 1)
+        s2 = s2.view(experts, 1, 1).expand(experts, hidden, 1)
+    x = torch.randn(tokens, hidden)
+    weights, ids = topk_softmax(torch.randn(tokens, experts), 2, True)
+    got = fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    want = naive_moe(x, dequantize_fp8(q13, s13.reshape(experts, -1, 1)),
+                     dequantize_fp8(q2, s2.reshape(experts, -1, 1)), weights, ids)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+class ShardGroup(SingleProcessGroup):
+    """One rank of a TP group whose all-reduce the test does by hand."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+
+@contextmanager
+def tp_group(group):
+    previous = get_tp_group()
+    set_tp_group(group)
+    try:
+        yield
+    finally:
+        set_tp_group(previous)
+
+
+def expert_checkpoint(w13, w2, prefix="mlp"):
+    """Per-expert tensors named as Qwen3-MoE checkpoints name them."""
+    inter = w2.shape[2]
+    for e in range(w13.shape[0]):
+        yield f"{prefix}.experts.{e}.gate_proj.weight", w13[e, :inter]
+        yield f"{prefix}.experts.{e}.up_proj.weight", w13[e, inter:]
+        yield f"{prefix}.experts.{e}.down_proj.weight", w2[e]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fused_moe_layer_loads_per_expert_checkpoint(world_size):
+    # 12 experts: expert 1's names must not also catch expert 11's tensors.
+    torch.manual_seed(0)
+    experts, hidden, inter, tokens = 12, 16, 8, 7
+    w13 = torch.randn(experts, 2 * inter, hidden) / 4
+    w2 = torch.randn(experts, hidden, inter) / 4
+    x, logits = torch.randn(tokens, hidden), torch.randn(tokens, experts)
+    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", experts)
+    out = torch.zeros(tokens, hidden)
+    for rank in range(world_size):
+        with tp_group(ShardGroup(rank, world_size)):
+            model = torch.nn.Module()
+            model.mlp = torch.nn.Module()
+            model.mlp.experts = FusedMoE(experts, 3, hidden, inter, prefix="mlp.experts")
+            loaded = load_with_mapping(model, expert_checkpoint(w13, w2), experts=mapping)
+            check_all_loaded(model, loaded)
+            out += model.mlp.experts(x, logits)  # the all-reduce over ranks
+    weights, ids = topk_softmax(logits, 3, True)
+    torch.testing.assert_close(out, naive_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from atom.kernels.activation import silu_and_mul
-from atom.kernels.fp8 import fp8_scaled_mm, quantize_fp8_per_token_group
+from atom.kernels.fp8 import dequantize_fp8, fp8_scaled_mm, quantize_fp8_per_token_group
 from atom.kernels.policy import dispatch, register
 
 
@@ -88,7 +88,7 @@ def _expert_linear(x, weight, scale, block_size):
     if block_size is not None:
         x_q, x_scale = quantize_fp8_per_token_group(x, block_size[1])
         return fp8_scaled_mm(x_q, x_scale, weight, scale, x.dtype, block_size=block_size)
-    return x @ (weight.float() * scale.float()).to(x.dtype).T
+    return x @ dequantize_fp8(weight, scale, dtype=x.dtype).T
 
 
 @register("fused_moe", "torch")
@@ -128,8 +128,9 @@ def fused_moe(
     """sum_k weight[t, k] * expert_{ids[t, k]}(hidden[t]) with SwiGLU experts.
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. FP8 experts pass their scales:
-    per-row [E, N, 1] (weights dequantized) or 128x128 blocks [E, N/128, K/128] with
-    block_size (activations quantized per token group, as in the dense FP8 layers).
+    per expert [E] or per row [E, N, 1] (weights dequantized, activations stay as they
+    are), or 128x128 blocks [E, N/128, K/128] with block_size (activations quantized per
+    token group, as in the dense FP8 layers).
     """
     return dispatch("fused_moe", hidden.device)(
         hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_size
