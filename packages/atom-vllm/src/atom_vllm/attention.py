@@ -119,6 +119,17 @@ def to_atom_metadata(cm: CommonAttentionMetadata) -> AttentionMetadata:
     )
 
 
+# Parts of this worker's ATOM model that cannot be captured in a CUDA graph (torch
+# reference ops that read lengths or expert counts on the host; see
+# atom.engine.cuda_graphs.graph_blockers). Set by the model wrapper, which is built
+# before vLLM creates the metadata builders and asks them about CUDA graphs.
+_model_graph_blockers: list[str] = []
+
+
+def set_model_graph_blockers(blockers: list[str]) -> None:
+    _model_graph_blockers[:] = blockers
+
+
 class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AttentionMetadata]):
     # The Triton decode kernel's launch grid depends only on the batch size, and it
     # reads seq_lens / block_table from vLLM's persistent buffers: pure-decode batches
@@ -127,6 +138,14 @@ class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AttentionMetadata]):
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     )
     reorder_batch_threshold: int | None = 1
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # vLLM captures the whole model's forward, so ATOM ops that cannot be captured
+        # (e.g. the torch MoE / MLA references on GPU) turn CUDA graphs off.
+        if _model_graph_blockers:
+            return AttentionCGSupport.NEVER
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

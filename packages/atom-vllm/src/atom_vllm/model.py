@@ -27,9 +27,11 @@ from torch import nn
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
+from atom.engine.cuda_graphs import graph_blockers
 from atom.layers.attention import Attention as AtomAttention
 from atom.layers.attention import attention_backend
 from atom.registry import UnsupportedArchitectureError, get_entry
+from atom_vllm.attention import set_model_graph_blockers
 from atom_vllm.attention_layer import vllm_attention_factory
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
 from atom_vllm.distributed import install_vllm_tp_group
@@ -81,6 +83,15 @@ class AtomForCausalLM(nn.Module):
         with attention_backend(vllm_attention_factory(vllm_config)):
             atom_model = model_cls(cfg.hf_config, cfg.quant_config, prefix=prefix)
         setattr(self, ATOM_MODEL_ATTR, atom_model)
+        device = next(atom_model.parameters()).device
+        blockers = graph_blockers(atom_model, device) if device.type == "cuda" else []
+        set_model_graph_blockers(blockers)
+        if blockers and vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs():
+            logger.warning(
+                "ATOM %s: no CUDA graphs in vLLM (not capturable: %s)",
+                cfg.entry.architecture,
+                ", ".join(blockers),
+            )
         layers = [m for m in atom_model.modules() if isinstance(m, AtomAttention)]
         logger.info(
             "ATOM %s (%s.%s) built for vLLM: %d attention layers on %s, tp=%d/%d, dtype=%s%s",
