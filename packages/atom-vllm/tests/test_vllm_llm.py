@@ -4,7 +4,8 @@ One engine per (architecture, mode), all started by one module fixture (`runs`):
 
 * "atom":  plugin on (model_impl "auto" for Llama, "atom" for the others);
 * "stock": ATOM_DISABLE_VLLM_PLUGIN=1, vLLM's own class and CPU_ATTN kernel;
-* Llama also runs with model_impl="vllm" (plugin on, vLLM's class), and a GPT-2
+* Llama also runs with model_impl="vllm" (plugin on, vLLM's class) and with
+  tensor_parallel_size=2 (ATOM's layers shard over vLLM's TP group), and a GPT-2
   checkpoint (an architecture ATOM does not serve) runs with the plugin on.
 
 Every engine runs with prefix caching on and chunked prefill with a small token
@@ -15,6 +16,8 @@ prompts, one prompt with a 48-token prefix, then three prompts sharing that pref
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from vllm_harness import BLOCK_SIZE, ENGINE, PREFIX_BLOCKS, Job, result_of, rounds, run_jobs
@@ -32,6 +35,7 @@ CANDIDATES = [
 ]
 SERVED = set(served_architectures())
 ARCHS = [a for a in CANDIDATES if a in SERVED]
+TP2 = (os.cpu_count() or 1) >= 2
 
 
 def needs(arch: str) -> None:
@@ -58,6 +62,16 @@ def runs(checkpoints, tmp_path_factory):
                 rounds(0)[:1],
             )
         )
+        if TP2:
+            jobs.append(
+                Job(
+                    "LlamaForCausalLM-atom-tp2",
+                    checkpoints("LlamaForCausalLM"),
+                    {**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+                    rounds(0),
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
+                )
+            )
     jobs.append(Job("GPT2LMHeadModel-plugin", checkpoints("GPT2LMHeadModel"), ENGINE, rounds(9)))
     return run_jobs(jobs, tmp_path_factory.mktemp("vllm-llm"))
 
@@ -119,6 +133,23 @@ def test_model_impl_vllm_runs_vllm_own_class(runs):
     assert "model_impl='vllm': LlamaForCausalLM runs vLLM's" in result.log
     stock = result_of(runs, "LlamaForCausalLM-stock")
     assert tokens(result, "batch") == tokens(stock, "batch")
+
+
+def test_tensor_parallel_uses_vllm_tp_group(runs):
+    needs("LlamaForCausalLM")
+    if not TP2:
+        pytest.skip("tensor_parallel_size=2 needs two cores")
+    result = result_of(runs, "LlamaForCausalLM-atom-tp2")
+    assert len(result.probe) == 2  # one report per TP rank
+    for worker in result.probe:
+        assert worker["model_class"] == "atom_vllm.model.LlamaForCausalLM"
+        for layer in worker["attention"]:
+            assert layer["backend_name"] == "CUSTOM" and layer["calls"] > 0
+            assert layer["kv_cache_shape"][1:] == [2, BLOCK_SIZE, 1, 32]  # 2 kv heads / 2 ranks
+    assert "tp=1/2" in result.log and "tp=0/2" in result.log
+    stock = result_of(runs, "LlamaForCausalLM-stock")
+    for name in ("batch", "prefix_warm", "prefix_reuse"):
+        assert tokens(result, name) == tokens(stock, name)
 
 
 def test_unsupported_architecture_runs_with_vllm_class(runs):
