@@ -76,5 +76,6 @@ def test_mla_greedy_tokens_equal_hf(runs, checkpoints, arch):
         assert layer["calls"] > 0
         # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: ATOM's latent cache
         assert layer["kv_cache_shape"][1:] == [BLOCK_SIZE, 64 + 16]
+    assert "2 attention layers on AtomMLABackend" in result.log
     chunked = "MLA is enabled on a non-GPU platform" not in result.log
     assert chunked == (arch == "DeepseekV3ForCausalLM")

@@ -124,4 +124,4 @@ def test_completions_over_http_with_token_id_prompts(server):
     assert [m["id"] for m in models["data"]] == [model]
     log = log_path.read_text()
     assert "ATOM LlamaForCausalLM (atom.models.llama.LlamaForCausalLM) built for vLLM" in log
-    assert "attention layers on VllmAttention" in log
+    assert "2 attention layers on AtomAttentionBackend" in log

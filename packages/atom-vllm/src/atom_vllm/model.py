@@ -28,7 +28,6 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
 from atom.engine.cuda_graphs import graph_blockers
-from atom.layers.attention import Attention as AtomAttention
 from atom.layers.attention import attention_backend
 from atom.registry import UnsupportedArchitectureError, get_entry
 from atom_vllm.attention import set_model_graph_blockers
@@ -92,14 +91,15 @@ class AtomForCausalLM(nn.Module):
                 cfg.entry.architecture,
                 ", ".join(blockers),
             )
-        layers = [m for m in atom_model.modules() if isinstance(m, AtomAttention)]
+        layers = [m for m in atom_model.modules() if isinstance(m, AttentionLayerBase)]
+        backends = sorted({m.get_attn_backend().__name__ for m in layers})
         logger.info(
             "ATOM %s (%s.%s) built for vLLM: %d attention layers on %s, tp=%d/%d, dtype=%s%s",
             cfg.entry.architecture,
             model_cls.__module__,
             model_cls.__qualname__,
             len(layers),
-            type(layers[0].impl).__name__ if layers else "-",
+            ", ".join(backends) or "-",
             self.tp_group.rank,
             self.tp_group.world_size,
             cfg.dtype,
