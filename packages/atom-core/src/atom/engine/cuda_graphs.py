@@ -1,16 +1,20 @@
 """CUDA graphs of pure-decode steps, captured once per padded batch size.
 
 A decode step is dominated by kernel launches at small batch sizes; replaying a captured
-graph removes them. Inputs live in static buffers; a batch is padded to the next captured
-size with rows that write nowhere (slot -1) and read one page.
+graph removes them. Inputs live in static buffers (one pinned host buffer, one upload per
+step); a batch is padded to the next captured size with rows that write nowhere (slot -1)
+and read one page.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 from torch import nn
 
-from atom.engine.model_runner import StepInput
+from atom.engine.staged_buffers import StagedBuffers
+from atom.engine.step_arrays import StepArrays
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.policy import selected_backend
 
@@ -27,9 +31,10 @@ def graph_blockers(model: nn.Module, device: torch.device) -> list[str]:
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size]
-    sizes += range(16, max_batch_size, 16)
-    return sorted(set(sizes) | {max_batch_size})
+    """Dense at small sizes, where padding would cost the most relative time."""
+    steps = [*range(16, 257, 16), *range(288, 513, 32), *range(576, max_batch_size, 64)]
+    sizes = {1, 2, 4, 8, *steps, max_batch_size}
+    return sorted(s for s in sizes if s <= max_batch_size)
 
 
 class DecodeGraphs:
@@ -39,23 +44,34 @@ class DecodeGraphs:
         self.max_batch_size = max_batch_size
         self.max_blocks = max_blocks
         self.block_size = block_size
-        self.device = torch.device(device)
         n = max_batch_size
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.inputs = StagedBuffers(
+            {
+                "input_ids": (torch.int64, (n,)),
+                "positions": (torch.int64, (n,)),
+                "slot_mapping": (torch.int64, (n,)),
+                "seq_lens": (torch.int32, (n,)),
+                "query_start_loc": (torch.int32, (n + 1,)),
+                "block_table": (torch.int32, (n, max_blocks)),  # last: uploads stop at row bs
+            },
+            device,
+        )
+        host = self.inputs.host()
+        host["query_start_loc"][:] = range(n + 1)
+        host["seq_lens"][:] = 1
+        host["slot_mapping"][:] = -1
+        self.inputs.upload()
+        self.sizes = capture_sizes(max_batch_size)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture(model)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
+        d = self.inputs.device
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            block_table=self.block_table[:bs],
-            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=d["query_start_loc"][: bs + 1],
+            seq_lens=d["seq_lens"][:bs],
+            block_table=d["block_table"][:bs],
+            slot_mapping=d["slot_mapping"][:bs],
             num_decodes=bs,
             num_decode_tokens=bs,
             max_query_len=1,
@@ -65,44 +81,41 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self, model: nn.Module) -> None:
         pool = None
-        for bs in reversed(capture_sizes(self.max_batch_size)):
-            metadata = self._metadata(bs)
-            with set_forward_context(metadata):
-                model(self.input_ids[:bs], self.positions[:bs])  # warm-up compiles the kernels
-                torch.cuda.synchronize(self.device)
+        ids, positions = self.inputs.device["input_ids"], self.inputs.device["positions"]
+        for bs in reversed(self.sizes):
+            with set_forward_context(self._metadata(bs)):
+                model(ids[:bs], positions[:bs])  # warm-up compiles the kernels
+                torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    output = model(self.input_ids[:bs], self.positions[:bs])
+                    output = model(ids[:bs], positions[:bs])
             pool = graph.pool()
             self.graphs[bs] = (graph, output)
 
-    def can_run(self, batch: list[StepInput]) -> bool:
+    def can_run(self, arrays: StepArrays) -> bool:
         return (
-            len(batch) <= self.max_batch_size
-            and all(len(item.token_ids) == 1 for item in batch)
-            and all(len(item.block_table) <= self.max_blocks for item in batch)
+            arrays.num_decodes == arrays.num_seqs <= self.max_batch_size
+            and arrays.block_table.shape[1] <= self.max_blocks
         )
 
-    def run(self, batch: list[StepInput]) -> torch.Tensor:
-        """Hidden states [len(batch), hidden] of a pure-decode batch."""
-        bs = next(size for size in sorted(self.graphs) if size >= len(batch))
-        n = len(batch)
-        positions = [item.start_position for item in batch]
-        table = torch.zeros(bs, self.max_blocks, dtype=torch.int32)
-        for i, item in enumerate(batch):
-            table[i, : len(item.block_table)] = torch.tensor(item.block_table, dtype=torch.int32)
-        slots = [
-            item.block_table[p // self.block_size] * self.block_size + p % self.block_size
-            for item, p in zip(batch, positions)
-        ]
-        pad = bs - n
-        self.input_ids[:bs].copy_(torch.tensor([item.token_ids[0] for item in batch] + [0] * pad))
-        self.positions[:bs].copy_(torch.tensor(positions + [0] * pad))
-        self.slot_mapping[:bs].copy_(torch.tensor(slots + [-1] * pad))
-        self.seq_lens[:bs].copy_(
-            torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32)
-        )
-        self.block_table[:bs].copy_(table)
+    def run(self, arrays: StepArrays) -> torch.Tensor:
+        """Hidden states [num_seqs, hidden] of a pure-decode batch."""
+        n = arrays.num_seqs
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        host = self.inputs.host()
+        host["input_ids"][:n] = arrays.input_ids
+        host["positions"][:n] = arrays.positions
+        host["slot_mapping"][:n] = arrays.slot_mapping
+        host["seq_lens"][:n] = arrays.seq_lens
+        # Entries past a row's last page are never read (seq_lens bounds them), so stale
+        # values from earlier steps may stay; padding rows read page 0 and write nowhere.
+        host["block_table"][:n, : arrays.block_table.shape[1]] = arrays.block_table
+        host["input_ids"][n:bs] = 0
+        host["positions"][n:bs] = 0
+        host["slot_mapping"][n:bs] = -1
+        host["seq_lens"][n:bs] = 1
+        host["block_table"][n:bs, 0] = 0
+        self.inputs.upload(self.inputs.end_of("block_table", bs))
         graph, output = self.graphs[bs]
         graph.replay()
         return output[:n]

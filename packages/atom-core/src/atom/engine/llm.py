@@ -103,10 +103,9 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req")
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    results[output.request_id] = output
-                    bar.update(1)
+            for output in self.engine.step(finished_only=True):
+                results[output.request_id] = output
+                bar.update(1)
         bar.close()
         return [results[i] for i in request_ids]
 

@@ -12,11 +12,11 @@ from atom.config import EngineConfig
 from atom.engine.block_manager import BlockManager
 from atom.engine.detokenizer import Detokenizer, find_stop_string
 from atom.engine.executor import Executor
-from atom.engine.model_runner import StepInput
 from atom.engine.outputs import CompletionOutput, RequestOutput
-from atom.engine.sampler import Sampler
+from atom.engine.sampler import Sampler, prompt_logprob_entries
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
+from atom.engine.step_arrays import StepInput
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -123,84 +123,50 @@ class LLMEngine:
     # The step -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """Runs one scheduled batch; returns the current output of each request it touched."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Runs one scheduled batch; returns the current output of each request it touched
+        (only of those it finished, with finished_only: the offline API needs no more)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        inputs = [
-            StepInput(
-                seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n],
-                seq.num_computed_tokens,
-                seq.block_table,
-            )
-            for seq, n in zip(batch.seqs, batch.num_new_tokens)
-        ]
-        starts = list(itertools.accumulate((len(x.token_ids) for x in inputs), initial=0))
-        rows, owners = self._logit_rows(batch, starts)
-        logits = self.executor.execute(inputs, rows)
-        touched: dict[str, _Request] = {}
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            seq_rows = [r for r, owner in enumerate(owners) if owner[0] == i]
-            start = seq.num_computed_tokens
+        plan = _StepPlan(batch.seqs, batch.num_new_tokens)
+        logits = self.executor.execute(plan.inputs, plan.rows)
+        block_manager = self.block_manager
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.register_full_blocks(seq)
-            if seq.prompt_logprobs is not None:
-                self._record_prompt_logprobs(
-                    seq, start, [(owners[r][1], logits[r]) for r in seq_rows]
-                )
-            if seq.num_computed_tokens == seq.num_tokens:
-                self._append_token(seq, logits[seq_rows[-1]])
-            touched[seq.request_id] = self.requests[seq.request_id]
-        return [self._output(request) for request in touched.values()]
+            block_manager.register_full_blocks(seq)
+        for seq, first, last, row in plan.prompt_logprobs:
+            rows = logits[row : row + last - first]
+            targets = seq.token_ids[first + 1 : last + 1]
+            seq.prompt_logprobs += prompt_logprob_entries(rows, targets, seq.params.prompt_logprobs)
+        if plan.samples:
+            self._append_tokens(plan.samples, logits, plan.sample_rows)
+        outputs = []
+        for request_id in dict.fromkeys(seq.request_id for seq in batch.seqs):
+            request = self.requests[request_id]
+            if not finished_only or all(s.is_finished for s in request.seqs):
+                outputs.append(self._output(request))
+        return outputs
 
-    def _logit_rows(self, batch, starts: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """Hidden-state rows that need logits: each completed sequence's last token, plus
-        every prompt position of sequences that asked for prompt logprobs."""
-        rows, owners = [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            begin = starts[i]
-            positions = range(n) if seq.prompt_logprobs is not None else []
-            for j in positions:
-                if j < n - 1 or seq.num_computed_tokens + n < seq.num_tokens:
-                    rows.append(begin + j)
-                    owners.append((i, seq.num_computed_tokens + j))
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                rows.append(begin + n - 1)
-                owners.append((i, seq.num_computed_tokens + n - 1))
-        return rows, owners
-
-    def _record_prompt_logprobs(self, seq: Sequence, start: int, rows) -> None:
-        k = seq.params.prompt_logprobs
-        for position, row in rows:
-            # Skip positions already recorded before a preemption made us recompute them.
-            if not len(seq.prompt_logprobs) <= position + 1 < seq.num_prompt_tokens:
-                continue
-            logprobs = row.log_softmax(-1)
-            target = seq.token_ids[position + 1]
-            entry = {target: float(logprobs[target])}
-            if k:
-                values, ids = logprobs.topk(k)
-                entry.update(zip(ids.tolist(), values.tolist()))
-            seq.prompt_logprobs.append(entry)
-
-    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
-        params = seq.params
-        blocked = self.eos_token_ids if seq.num_output_tokens < params.min_tokens else ()
-        result = self.sampler.sample(
-            logits, params, seq.prompt_ids, seq.output_ids, seq.generator, blocked
-        )
-        seq.token_ids.append(result.token_id)
-        seq.cumulative_logprob += result.logprob
-        if result.top_logprobs is not None:
-            seq.logprobs.append(result.top_logprobs)
-        self._check_stop(seq, result.token_id)
-        if seq.finish_reason is not None:
-            # Flush text held back as incomplete, unless a stop string already cut it short
-            # (re-decoding would bring the stop string back).
-            if not isinstance(seq.stop_reason, str):
-                self.detokenizer.update(seq)
-            self.scheduler.finish(seq)
+    def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> None:
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
+        blocked = [
+            self.eos_token_ids if seq.num_output_tokens < seq.params.min_tokens else ()
+            for seq in seqs
+        ]
+        for seq, result in zip(seqs, self.sampler.sample(logits, seqs, blocked)):
+            seq.token_ids.append(result.token_id)
+            seq.cumulative_logprob += result.logprob
+            if result.top_logprobs is not None:
+                seq.logprobs.append(result.top_logprobs)
+            self._check_stop(seq, result.token_id)
+            if seq.finish_reason is not None:
+                # Flush text held back as incomplete, unless a stop string already cut it
+                # short (re-decoding would bring the stop string back).
+                if not isinstance(seq.stop_reason, str):
+                    self.detokenizer.update(seq)
+                self.scheduler.finish(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
@@ -252,6 +218,36 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+
+class _StepPlan:
+    """A step's model inputs and which hidden rows need logits, in ascending order: the
+    prompt positions of sequences that asked for prompt logprobs, and the last token of
+    every sequence this step completes (it samples its next token)."""
+
+    def __init__(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        self.inputs: list[StepInput] = []
+        self.rows: list[int] = []
+        self.prompt_logprobs: list[tuple[Sequence, int, int, int]] = []  # seq, first, last, row
+        self.samples: list[Sequence] = []
+        self.sample_rows: list[int] = []  # indexes into rows
+        offset = 0
+        for seq, n in zip(seqs, num_new_tokens):
+            start = seq.num_computed_tokens
+            self.inputs.append(StepInput(seq.token_ids[start : start + n], start, seq.block_table))
+            if seq.prompt_logprobs is not None:
+                # Positions whose next prompt token has no entry yet (a preempted sequence
+                # recomputes positions it already recorded).
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if first < last:
+                    self.prompt_logprobs.append((seq, first, last, len(self.rows)))
+                    self.rows += range(offset + first - start, offset + last - start)
+            if start + n == seq.num_tokens:
+                self.sample_rows.append(len(self.rows))
+                self.rows.append(offset + n - 1)
+                self.samples.append(seq)
+            offset += n
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

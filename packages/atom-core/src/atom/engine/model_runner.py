@@ -6,12 +6,12 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from atom.config import ModelConfig
+from atom.engine.step_arrays import StepInput, build_step_arrays, upload
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.quantization import get_quant_config
 from atom.loader import load_model_weights
@@ -69,15 +69,6 @@ def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dty
     return total
 
 
-@dataclass
-class StepInput:
-    """One sequence's part of a step: its new tokens, where they start, and its pages."""
-
-    token_ids: list[int]
-    start_position: int  # tokens already in the cache
-    block_table: list[int]
-
-
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, device: torch.device | str):
         self.model = model
@@ -102,32 +93,7 @@ class ModelRunner:
     def prepare(
         self, batch: list[StepInput]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for item in batch:
-            end = item.start_position + len(item.token_ids)
-            if -(-end // self.block_size) > len(item.block_table):
-                raise ValueError(
-                    f"block table of {len(item.block_table)} pages cannot hold {end} tokens"
-                )
-            input_ids += item.token_ids
-            for pos in range(item.start_position, end):
-                positions.append(pos)
-                slots.append(
-                    item.block_table[pos // self.block_size] * self.block_size
-                    + pos % self.block_size
-                )
-        metadata = AttentionMetadata.build(
-            query_lens=[len(item.token_ids) for item in batch],
-            seq_lens=[item.start_position + len(item.token_ids) for item in batch],
-            block_tables=[item.block_table for item in batch],
-            slot_mapping=slots,
-            device=self.device,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos, metadata
+        return upload(build_step_arrays(batch, self.block_size), self.device)
 
     @torch.inference_mode()
     def forward(self, batch: list[StepInput]) -> torch.Tensor:
@@ -135,19 +101,26 @@ class ModelRunner:
 
         Decode rows (one new token) must come before prefill rows.
         """
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
-            return self.decode_graphs.run(batch)
-        input_ids, positions, metadata = self.prepare(batch)
+        arrays = build_step_arrays(batch, self.block_size)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(arrays):
+            return self.decode_graphs.run(arrays)
+        input_ids, positions, metadata = upload(arrays, self.device)
         with set_forward_context(metadata):
             return self.model(input_ids, positions)
 
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if len(rows) == hidden.shape[0]:  # rows ascend, so this is every row in order
+            return hidden
+        return hidden[torch.tensor(rows).to(self.device, non_blocking=True)]
+
     @torch.inference_mode()
     def execute(self, batch: list[StepInput], logit_rows: list[int]) -> torch.Tensor | None:
-        """fp32 logits of the given token rows of the step (None when no row is asked)."""
+        """fp32 logits of the given (ascending) token rows of the step; None when no row
+        is asked."""
         hidden = self.forward(batch)
         if not logit_rows:
             return None
-        return self.model.compute_logits(hidden[logit_rows]).float()
+        return self.model.compute_logits(self._rows(hidden, logit_rows)).float()
 
     @torch.inference_mode()
     def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:
@@ -155,5 +128,5 @@ class ModelRunner:
         hidden = self.forward(batch)
         if not all_positions:
             last_rows = list(itertools.accumulate(len(item.token_ids) for item in batch))
-            hidden = hidden[[row - 1 for row in last_rows]]
+            hidden = self._rows(hidden, [row - 1 for row in last_rows])
         return self.model.compute_logits(hidden).float()

@@ -1,12 +1,24 @@
-"""Turns last-token logits into next tokens, one row per sequence, per its SamplingParams."""
+"""Turns a step's logits [B, vocab] into next tokens, the whole batch at once.
+
+Every row has its own SamplingParams; each feature (penalties, temperature, top-k, top-p,
+min-p, logprobs) runs as a few batched tensor ops over the rows that use it, and the
+results come to the host in one copy per step. Random rows draw with the exponential-race
+trick (argmax of p / Exp(1) noise is a draw from p), so one noise tensor serves the batch;
+seeded rows draw their noise from their own device generator.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Rows
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from atom.engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
 
 
 @dataclass
@@ -16,67 +28,168 @@ class SampleResult:
     top_logprobs: dict[int, float] | None
 
 
+def padded_ids(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    """Ragged token-id lists as one [R, max_len] device tensor, padded with `pad`."""
+    table = np.full((len(rows), max(map(len, rows), default=0) or 1), pad, dtype=np.int64)
+    for i, ids in enumerate(rows):
+        table[i, : len(ids)] = ids
+    return torch.from_numpy(table).to(device, non_blocking=True)
+
+
+def token_counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[R, vocab] occurrence counts of each row's token ids."""
+    ids = padded_ids(rows, vocab, device)  # the pad id lands in a column that is dropped
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype).to(like.device, non_blocking=True)[:, None]
+
+
 def apply_penalties(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
 ) -> torch.Tensor:
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
-        values = logits[seen]
-        logits[seen] = torch.where(
-            values > 0, values / params.repetition_penalty, values * params.repetition_penalty
-        )
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        ids, counts = torch.tensor(output_ids).unique(return_counts=True)
-        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+    """Repetition (HF semantics: over prompt and output), presence and frequency (over the
+    output) penalties, applied in place to the rows that ask for them."""
+    vocab = logits.shape[-1]
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep:
+        seen = token_counts([prompt_ids[i] + output_ids[i] for i in rep], vocab, logits.device)
+        penalty = _column([params[i].repetition_penalty for i in rep], logits)
+        rows = logits[rep]
+        scaled = torch.where(rows > 0, rows / penalty, rows * penalty)
+        logits[rep] = torch.where(seen > 0, scaled, rows)
+    additive = [
+        i
+        for i, p in enumerate(params)
+        if output_ids[i] and (p.presence_penalty or p.frequency_penalty)
+    ]
+    if additive:
+        counts = token_counts([output_ids[i] for i in additive], vocab, logits.device)
+        frequency = _column([params[i].frequency_penalty for i in additive], logits)
+        presence = _column([params[i].presence_penalty for i in additive], logits)
+        logits[additive] -= frequency * counts + presence * (counts > 0)
     return logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits with top-k, top-p and min-p applied (-inf elsewhere)."""
-    logits = logits / params.temperature
-    if params.top_k:
-        k = min(params.top_k, logits.shape[-1])
-        threshold = logits.topk(k).values[-1]
-        logits = logits.masked_fill(logits < threshold, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        remove = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(remove, float("-inf")))
-    if params.min_p > 0:
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature-scaled logits [B, vocab] with each row's top-k, top-p and min-p applied
+    (-inf elsewhere). Rows must not be greedy."""
+    logits = logits / _column([p.temperature for p in params], logits)
+    vocab = logits.shape[-1]
+    top_k = [min(p.top_k, vocab) if p.top_k else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        if min(top_k) < vocab:
+            k = torch.tensor(top_k).to(logits.device, non_blocking=True)[:, None]
+            threshold = sorted_logits.gather(1, k - 1)
+            logits = logits.masked_fill(logits < threshold, NEG_INF)
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, NEG_INF)
+        if min(top_p) < 1.0:
+            probs = sorted_logits.softmax(-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays);
+            # rows with top_p == 1 keep everything even where rounding lifts the sum past 1.
+            p = _column(top_p, logits)
+            remove = ((probs.cumsum(-1) - probs) >= p) & (p < 1.0)
+            logits = logits.scatter(1, order, sorted_logits.masked_fill(remove, NEG_INF))
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0:
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        floor = _column(min_p, logits) * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, NEG_INF)
     return logits
+
+
+def _topk_columns(logprobs: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """The top-k ids and values of each row, as float64 columns for a packed host copy."""
+    if not k:
+        return []
+    values, ids = logprobs.topk(k, dim=-1)
+    return [ids.double(), values.double()]
+
+
+def _unpack_entry(row: list[float], k: int, width: int) -> dict[int, float]:
+    """{token: logprob} from a packed host row [token, logprob, width ids, width values]."""
+    entry = {int(row[0]): row[1]}
+    entry.update(zip(map(int, row[2 : 2 + k]), row[2 + width : 2 + width + k]))
+    return entry
+
+
+def prompt_logprob_entries(
+    logits: torch.Tensor, targets: list[int], k: int
+) -> list[dict[int, float]]:
+    """One {token: logprob} entry per row of `logits`: its target token plus its top k."""
+    logprobs = logits.log_softmax(-1)
+    target = torch.tensor(targets).to(logits.device, non_blocking=True)[:, None]
+    packed = torch.cat(
+        [target.double(), logprobs.gather(1, target).double(), *_topk_columns(logprobs, k)], 1
+    )
+    return [_unpack_entry(row, k, k) for row in packed.cpu().tolist()]
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
 class Sampler:
     def __init__(self, seed: int = 0):
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.default_generators: dict[torch.device, torch.Generator] = {}
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self.default_generators:
+            self.default_generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self.default_generators[device]
+
+    def _noise(self, seqs: list[Sequence], like: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise [R, vocab]; seeded sequences draw theirs from their own generator."""
+        noise = torch.empty_like(like).exponential_(generator=self._default_generator(like.device))
+        for i, seq in enumerate(seqs):
+            if seq.seed is not None:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(like.device).manual_seed(seq.seed)
+                noise[i].exponential_(generator=seq.generator)
+        # A zero draw would turn a filtered (p = 0) token into 0/0.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
     def sample(
-        self,
-        logits: torch.Tensor,
-        params: SamplingParams,
-        prompt_ids: list[int],
-        output_ids: list[int],
-        generator: torch.Generator | None = None,
-        block_token_ids: list[int] = (),
-    ) -> SampleResult:
-        """Samples one token from a [vocab] fp32 logits row."""
-        logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
-        if block_token_ids:
-            logits[list(block_token_ids)] = float("-inf")
-        logprobs = logits.log_softmax(-1)
-        if params.greedy:
-            token = int(logits.argmax())
-        else:
-            probs = filter_logits(logits, params).softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=generator or self.default_generator))
-        top = None
-        if params.logprobs is not None:
-            top = {token: float(logprobs[token])}
-            if params.logprobs:
-                values, ids = logprobs.topk(params.logprobs)
-                top.update(zip(ids.tolist(), values.tolist()))
-        return SampleResult(token, float(logprobs[token]), top)
+        self, logits: torch.Tensor, seqs: list[Sequence], blocked: Rows[Rows[int]] = ()
+    ) -> list[SampleResult]:
+        """One token per row of fp32 `logits` [B, vocab] (modified in place), row i following
+        seqs[i].params; blocked[i] lists token ids row i may not pick (EOS under min_tokens)."""
+        params = [seq.params for seq in seqs]
+        penalised = [_uses_penalties(p) for p in params]
+        if any(penalised):
+            apply_penalties(
+                logits,
+                params,
+                [seq.prompt_ids if used else [] for seq, used in zip(seqs, penalised)],
+                [seq.output_ids if used else [] for seq, used in zip(seqs, penalised)],
+            )
+        pairs = [(i, t) for i, ids in enumerate(blocked) for t in ids]
+        if pairs:
+            rows, cols = zip(*pairs)
+            logits[list(rows), list(cols)] = NEG_INF
+        tokens = logits.argmax(-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            probs = filter_logits(logits[random_rows], [params[i] for i in random_rows]).softmax(-1)
+            noise = self._noise([seqs[i] for i in random_rows], probs)
+            index = torch.tensor(random_rows).to(logits.device, non_blocking=True)
+            tokens[index] = (probs / noise).argmax(-1)
+        # log_softmax of the penalised, untempered logits: the model's view of each token.
+        chosen = logits.gather(1, tokens[:, None]) - logits.logsumexp(-1, keepdim=True)
+        k = max((p.logprobs or 0 for p in params), default=0)
+        top = _topk_columns(logits.log_softmax(-1), k) if k else []
+        packed = torch.cat([tokens[:, None].double(), chosen.double(), *top], 1)
+        results = []
+        for p, row in zip(params, packed.cpu().tolist()):  # the step's one device->host copy
+            entry = _unpack_entry(row, p.logprobs, k) if p.logprobs is not None else None
+            results.append(SampleResult(int(row[0]), row[1], entry))
+        return results

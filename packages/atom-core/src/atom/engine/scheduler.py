@@ -27,7 +27,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: dict[Sequence, None] = {}  # admission order; O(1) removal
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -39,6 +39,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
+        preempted = self.num_preemptions
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -50,7 +51,13 @@ class Scheduler:
             self.block_manager.allocate(seq, n)
             chosen.append((seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # After a preemption the pool is full: admitting now would only preempt again.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and self.num_preemptions == preempted
+        ):
             seq = self.waiting[0]
             self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -59,24 +66,24 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running[seq] = None
             chosen.append((seq, n))
             budget -= n
-        # Decodes first, as the attention schema requires.
-        chosen.sort(key=lambda item: item[0].is_prefill)
+        # Rows with one new token first, as the attention schema requires (stable sort).
+        chosen.sort(key=lambda item: item[1] > 1)
         return ScheduledBatch([s for s, _ in chosen], [n for _, n in chosen])
 
     def _make_room(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Preempts later sequences until `seq` fits; False if `seq` itself was preempted."""
         while not self.block_manager.can_allocate(seq, num_new_tokens):
-            victim = self.running[-1]
+            victim = next(reversed(self.running))
             self._preempt(victim)
             if victim is seq:
                 return False
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        del self.running[seq]
         self.block_manager.free_sequence(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -85,7 +92,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         if seq in self.running:
-            self.running.remove(seq)
+            del self.running[seq]
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free_sequence(seq)

@@ -38,11 +38,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0
         self.last_block_hash: int | None = None
-        self.generator = (
-            torch.Generator().manual_seed(params.seed + completion_index)
-            if params.seed is not None
-            else None
-        )
+        # Completions of one seeded request draw different but reproducible tokens.
+        self.seed = params.seed + completion_index if params.seed is not None else None
+        self.generator: torch.Generator | None = None  # made by the sampler on its device
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] | None = None

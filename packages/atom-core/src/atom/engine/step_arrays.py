@@ -1,0 +1,112 @@
+"""A step's inputs as numpy arrays, built in a few vectorised passes over the batch.
+
+Per-sequence torch tensors cost microseconds each; at a thousand sequences a step would
+spend milliseconds before the GPU sees it. Here the batch is flattened once into numpy
+arrays, which then reach the device in one copy (`upload`), or are written into the
+pinned buffers of the CUDA-graph inputs (`cuda_graphs.DecodeGraphs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from atom.forward_context import AttentionMetadata
+
+
+@dataclass
+class StepInput:
+    """One sequence's part of a step: its new tokens, where they start, and its pages."""
+
+    token_ids: list[int]
+    start_position: int  # tokens already in the cache
+    block_table: list[int]
+
+
+@dataclass
+class StepArrays:
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B+1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_table: np.ndarray  # [B, width] int32, zero-padded
+    num_decodes: int  # leading rows with one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def build_step_arrays(batch: list[StepInput], block_size: int) -> StepArrays:
+    """Flattens a batch; the block table is as wide as its longest row."""
+    num_seqs = len(batch)
+    query_lens = np.fromiter((len(x.token_ids) for x in batch), np.int64, num_seqs)
+    starts = np.fromiter((x.start_position for x in batch), np.int64, num_seqs)
+    num_pages = np.fromiter((len(x.block_table) for x in batch), np.int64, num_seqs)
+    seq_lens = starts + query_lens
+    short = np.nonzero(-(-seq_lens // block_size) > num_pages)[0]
+    if len(short):
+        i = short[0]
+        raise ValueError(f"block table of {num_pages[i]} pages cannot hold {seq_lens[i]} tokens")
+    query_start_loc = np.zeros(num_seqs + 1, np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    table = np.zeros((num_seqs, max(int(num_pages.max(initial=0)), 1)), np.int32)
+    flat = np.fromiter(chain.from_iterable(x.block_table for x in batch), np.int32)
+    page_starts = np.cumsum(num_pages) - num_pages
+    rows = np.repeat(np.arange(num_seqs), num_pages)
+    table[rows, np.arange(len(flat)) - np.repeat(page_starts, num_pages)] = flat
+    # Token t of sequence s sits at position starts[s] + (t - query_start_loc[s]).
+    token_rows = np.repeat(np.arange(num_seqs), query_lens)
+    positions = np.arange(num_tokens) + np.repeat(starts - query_start_loc[:-1], query_lens)
+    pages = table[token_rows, positions // block_size].astype(np.int64)
+    ones = np.flatnonzero(query_lens != 1)
+    return StepArrays(
+        input_ids=np.fromiter(chain.from_iterable(x.token_ids for x in batch), np.int64),
+        positions=positions,
+        slot_mapping=pages * block_size + positions % block_size,
+        query_start_loc=query_start_loc.astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_table=table,
+        num_decodes=int(ones[0]) if len(ones) else num_seqs,
+    )
+
+
+def upload(
+    arrays: StepArrays, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, metadata) on `device`, from one host->device copy."""
+    parts = [
+        arrays.input_ids,
+        arrays.positions,
+        arrays.slot_mapping,
+        arrays.query_start_loc,
+        arrays.seq_lens,
+        arrays.block_table.ravel(),
+    ]
+    host = torch.from_numpy(np.concatenate(parts, dtype=np.int64))
+    packed = host.to(device, non_blocking=True)  # pageable: staged at once, no sync
+    ids, pos, slots, qsl, lens, table = packed.split([len(p) for p in parts])
+    qsl_cpu = torch.from_numpy(arrays.query_start_loc)
+    lens_cpu = torch.from_numpy(arrays.seq_lens)
+    metadata = AttentionMetadata(
+        query_start_loc=qsl.int(),
+        seq_lens=lens.int(),
+        block_table=table.view(arrays.block_table.shape).int(),
+        slot_mapping=slots,
+        num_decodes=arrays.num_decodes,
+        num_decode_tokens=arrays.num_decodes,
+        max_query_len=int(np.diff(arrays.query_start_loc).max(initial=0)),
+        max_seq_len=int(arrays.seq_lens.max(initial=0)),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens_cpu=lens_cpu,
+    )
+    return ids, pos, metadata

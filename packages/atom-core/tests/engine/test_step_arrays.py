@@ -1,0 +1,63 @@
+"""The vectorised step builder describes a batch exactly as AttentionMetadata.build does
+from per-sequence lists."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from atom.engine.step_arrays import StepInput, build_step_arrays, upload
+from atom.forward_context import AttentionMetadata
+
+BLOCK = 4
+
+
+def random_batch(rng: random.Random, num_decodes: int, num_prefills: int) -> list[StepInput]:
+    batch = []
+    for query_len in [1] * num_decodes + [rng.randint(2, 9) for _ in range(num_prefills)]:
+        start = rng.randint(0, 20)
+        pages = rng.sample(range(100), -(-(start + query_len) // BLOCK) + rng.randint(0, 1))
+        batch.append(StepInput([rng.randrange(50) for _ in range(query_len)], start, pages))
+    return batch
+
+
+def reference(batch: list[StepInput]) -> AttentionMetadata:
+    slots = [
+        item.block_table[p // BLOCK] * BLOCK + p % BLOCK
+        for item in batch
+        for p in range(item.start_position, item.start_position + len(item.token_ids))
+    ]
+    return AttentionMetadata.build(
+        query_lens=[len(item.token_ids) for item in batch],
+        seq_lens=[item.start_position + len(item.token_ids) for item in batch],
+        block_tables=[item.block_table for item in batch],
+        slot_mapping=slots,
+    )
+
+
+def test_step_arrays_match_per_sequence_build():
+    rng = random.Random(0)
+    for num_decodes, num_prefills in [(0, 1), (1, 0), (5, 0), (3, 4), (0, 6), (17, 2)]:
+        batch = random_batch(rng, num_decodes, num_prefills)
+        ids, positions, metadata = upload(build_step_arrays(batch, BLOCK), torch.device("cpu"))
+        expected = reference(batch)
+        assert ids.tolist() == [t for item in batch for t in item.token_ids]
+        assert positions.tolist() == [
+            p for x in batch for p in range(x.start_position, x.start_position + len(x.token_ids))
+        ]
+        for field in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            assert torch.equal(getattr(metadata, field), getattr(expected, field)), field
+        for field in ("num_decodes", "num_decode_tokens", "max_query_len", "max_seq_len"):
+            assert getattr(metadata, field) == getattr(expected, field), field
+
+
+def test_short_block_table_is_an_error():
+    try:
+        build_step_arrays([StepInput([1, 2, 3], 2, [7])], BLOCK)
+    except ValueError as exc:
+        assert "cannot hold 5 tokens" in str(exc)
+    else:
+        raise AssertionError("expected a ValueError")
+    assert np.array_equal(build_step_arrays([StepInput([1], 3, [7])], BLOCK).slot_mapping, [31])
