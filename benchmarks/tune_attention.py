@@ -43,10 +43,10 @@ def main() -> None:
     sweep(
         pa.DECODE_CONFIG,
         {
-            "num_splits": [4, 8, 16, 32],
-            "block_n": [32, 64, 128],
-            "num_warps": [2, 4, 8],
-            "num_stages": [2, 3, 4],
+            "num_splits": [1, 2, 4, 8, 16],
+            "block_n": [32, 64],
+            "num_warps": [2, 4],
+            "num_stages": [2, 3],
         },
         decode,
         decode_bytes,

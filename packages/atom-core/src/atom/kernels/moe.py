@@ -9,7 +9,20 @@ from atom.kernels.fp8 import dequantize_fp8, fp8_scaled_mm, quantize_fp8_per_tok
 from atom.kernels.policy import dispatch, register
 
 
+def capturable(fn):
+    """Marks an implementation that never waits on the host (no data-dependent shapes or
+    .item()), so a CUDA graph can capture it."""
+    fn.cuda_graph_safe = True
+    return fn
+
+
+def is_capturable(op: str, device: torch.device) -> bool:
+    """Whether the implementation `op` dispatches to on `device` can run in a CUDA graph."""
+    return getattr(dispatch(op, device), "cuda_graph_safe", False)
+
+
 @register("topk_softmax", "torch")
+@capturable
 def topk_softmax_torch(router_logits, top_k, renormalize):
     probs = router_logits.float().softmax(-1)
     weights, ids = probs.topk(top_k, dim=-1)
@@ -26,6 +39,7 @@ def topk_softmax(
 
 
 @register("grouped_topk", "torch")
+@capturable
 def grouped_topk_torch(
     router_logits,
     top_k,

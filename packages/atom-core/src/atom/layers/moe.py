@@ -12,6 +12,7 @@ from torch import nn
 
 from atom.distributed import divide, get_tp_group
 from atom.kernels import fused_moe, grouped_topk, topk_softmax
+from atom.kernels.moe import is_capturable
 from atom.layers.quantization import QuantizationConfig, set_weight_attrs
 
 # Checkpoint shard names: w1 = gate, w3 = up (both in w13), w2 = down.
@@ -39,9 +40,6 @@ class UnquantizedMoEMethod:
 
 
 class FusedMoE(nn.Module):
-    # The torch fused-MoE reference loops over the experts that received tokens.
-    cuda_graph_safe = False
-
     def __init__(
         self,
         num_experts: int,
@@ -136,6 +134,16 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether the routing and expert kernels this layer dispatches to on its device can be
+        captured (the torch fused-MoE reference loops over the experts that got tokens)."""
+        device = self.w13_weight.device
+        routing = "grouped_topk" if self.use_grouped_topk else "topk_softmax"
+        return device.type == "cuda" and all(
+            is_capturable(op, device) for op in (routing, "fused_moe")
+        )
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.use_grouped_topk:

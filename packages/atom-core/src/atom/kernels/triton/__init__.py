@@ -1,5 +1,23 @@
 """Triton implementations, registered with the kernel policy when imported (CUDA and ROCm)."""
 
-from atom.kernels.triton import activation, kv_cache, norm, paged_attention, rotary
+from atom.kernels.triton import (
+    activation,
+    fp8,
+    fused_moe,
+    kv_cache,
+    moe_routing,
+    norm,
+    paged_attention,
+    rotary,
+)
 
-__all__ = ["activation", "kv_cache", "norm", "paged_attention", "rotary"]
+__all__ = [
+    "activation",
+    "fp8",
+    "fused_moe",
+    "kv_cache",
+    "moe_routing",
+    "norm",
+    "paged_attention",
+    "rotary",
+]

@@ -15,50 +15,22 @@ import triton.language as tl
 from atom.kernels.policy import register
 
 # Launch parameters, from benchmarks/tune_attention.py on an H100 (bf16, head dim 128,
-# 32 q / 8 kv heads): 4 splits beat 8-32 from 16 to 256 sequences; long prefills prefer
-# 128-row tiles with 8 warps. The sweep overrides these dicts.
-DECODE_CONFIG = {"num_splits": 4, "block_n": 64, "num_warps": 4, "num_stages": 2}
-PREFILL_CONFIG = {"rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
-LONG_PREFILL_CONFIG = {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+# 32 q / 8 kv heads). Decode splits each sequence's keys only while there are too few
+# (sequence, kv head) programs to fill the GPU: 1 split from 512 programs up (64x8k,
+# 256x1k), 4 at 128 (16x8k). Prefill prefers 128-row tiles; long ones wide key blocks.
+DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+DECODE_TARGET_PROGRAMS = 512
+MAX_DECODE_SPLITS = 16
+PREFILL_CONFIG = {"rows": 128, "block_n": 32, "num_warps": 4, "num_stages": 2}
+LONG_PREFILL_CONFIG = {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 4}
 LONG_PREFILL_TOKENS = 4096
-# Few sequences leave most SMs idle at 4 splits; split their keys further.
-FEW_DECODE_PROGRAMS = 64
-FEW_DECODE_SPLITS = 16
+
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _scores(q, k, scale, soft_cap, USE_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr):
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    if USE_SOFT_CAP:
-        s = soft_cap * (2 * tl.sigmoid(2 * s / soft_cap) - 1)  # tanh
-    return s
-
-
-@triton.jit
-def _online_softmax_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
-    """Folds one tile of scores s [rows, n] and values v [n, dv] into the running state."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
-
-
-@triton.jit
-def _load_page_rows(
-    cache_ptr,
-    table_row_ptr,
-    n,
-    n_valid,
-    head,
-    stride_b,
-    stride_s,
-    stride_h,
-    dims,
-    dim_mask,
-    block_size,
-):
+def _load_page_rows(cache_ptr, table_row_ptr, n, n_valid, head, stride_b, stride_s, stride_h,
+                    dims, dim_mask, block_size):  # fmt: skip
     page = tl.load(table_row_ptr + n // block_size, mask=n_valid, other=0).to(tl.int64)
     ptrs = (
         cache_ptr
@@ -68,6 +40,45 @@ def _load_page_rows(
         + dims[None, :]
     )
     return tl.load(ptrs, mask=n_valid[:, None] & dim_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _attend_block(
+    q, m_i, l_i, acc, start, kv_end, q_pos, window,
+    k_cache_ptr, v_cache_ptr, table_row, kv_head,
+    k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+    dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Folds keys [start, start + BLOCK_N) into the online-softmax state (log2 domain).
+
+    Unmasked blocks lie wholly below every row's causal bound and inside kv_end, so
+    they skip the bounds checks; only the diagonal and the ragged tail pay for them.
+    """
+    n = start + tl.arange(0, BLOCK_N)
+    n_valid = n < kv_end
+    k = _load_page_rows(k_cache_ptr, table_row, n, n_valid, kv_head, k_stride_b, k_stride_s,
+                        k_stride_h, dims, dims < head_dim, block_size)  # fmt: skip
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if USE_SOFT_CAP:
+        s = s * scale
+        s = soft_cap * (2 * tl.sigmoid(2 * s / soft_cap) - 1) * LOG2E  # tanh
+    else:
+        s = s * (scale * LOG2E)
+    if MASKED:
+        allowed = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if USE_WINDOW:
+            allowed &= n[None, :] > q_pos[:, None] - window
+        s = tl.where(allowed, s, float("-inf"))
+    v = _load_page_rows(v_cache_ptr, table_row, n, n_valid, kv_head, v_stride_b, v_stride_s,
+                        v_stride_h, vdims, vdims < v_head_dim, block_size)  # fmt: skip
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
@@ -82,7 +93,8 @@ def _prefill_kernel(
 ):  # fmt: skip
     seq = tl.program_id(0) + seq_offset
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    # The last tiles of a sequence see the most keys: launch them first.
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -105,49 +117,34 @@ def _prefill_kernel(
     q = tl.load(q_ptrs, mask=row_valid[:, None] & (dims < head_dim)[None, :], other=0.0)
     q_pos = context + token
 
+    first_row_pos = context + tile * BLOCK_M
     kv_end = context + tl.minimum((tile + 1) * BLOCK_M, q_len)
+    # Keys below the tile's first query position are visible to every row of the tile.
+    full_end = first_row_pos // BLOCK_N * BLOCK_N
     kv_start = 0
     if USE_WINDOW:
-        kv_start = tl.maximum(0, context + tile * BLOCK_M - window + 1) // BLOCK_N * BLOCK_N
+        kv_start = tl.maximum(0, first_row_pos - window + 1) // BLOCK_N * BLOCK_N
+        full_end = kv_start  # the window's lower edge needs the mask everywhere
     m_i = tl.full([BLOCK_M * GROUP], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP, BLOCK_DV], tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * bt_stride
-    for start in range(kv_start, kv_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_valid = n < kv_end
-        k = _load_page_rows(
-            k_cache_ptr,
-            table_row,
-            n,
-            n_valid,
-            kv_head,
-            k_stride_b,
-            k_stride_s,
-            k_stride_h,
-            dims,
-            dims < head_dim,
-            block_size,
-        )
-        s = _scores(q, k, scale, soft_cap, USE_SOFT_CAP, PRECISION)
-        allowed = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        if USE_WINDOW:
-            allowed &= n[None, :] > q_pos[:, None] - window
-        s = tl.where(allowed, s, float("-inf"))
-        v = _load_page_rows(
-            v_cache_ptr,
-            table_row,
-            n,
-            n_valid,
-            kv_head,
-            v_stride_b,
-            v_stride_s,
-            v_stride_h,
-            vdims,
-            vdims < v_head_dim,
-            block_size,
-        )
-        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
+    for start in range(kv_start, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, start, kv_end, q_pos, window,
+            k_cache_ptr, v_cache_ptr, table_row, kv_head,
+            k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+            dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
+            BLOCK_N, False, USE_SOFT_CAP, USE_WINDOW, PRECISION,
+        )  # fmt: skip
+    for start in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, start, kv_end, q_pos, window,
+            k_cache_ptr, v_cache_ptr, table_row, kv_head,
+            k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+            dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
+            BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, PRECISION,
+        )  # fmt: skip
     acc = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
     o_ptrs = (
         out_ptr
@@ -177,10 +174,10 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_ptr + seq).to(tl.int64)
-    q_pos = seq_len - 1
+    last_pos = seq_len - 1
     kv_start = 0
     if USE_WINDOW:
-        kv_start = tl.maximum(0, q_pos - window + 1)
+        kv_start = tl.maximum(0, last_pos - window + 1)
     per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     split_start = kv_start + split * per_split
     split_end = tl.minimum(seq_len, split_start + per_split)
@@ -192,42 +189,20 @@ def _decode_split_kernel(
     vdims = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + token * q_stride_t + head[:, None] * q_stride_h + dims[None, :],
                 mask=row_valid[:, None] & (dims < head_dim)[None, :], other=0.0)  # fmt: skip
+    q_pos = tl.full([GROUP], 0, tl.int32) + last_pos
     m_i = tl.full([GROUP], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP], tl.float32)
     acc = tl.zeros([GROUP, BLOCK_DV], tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * bt_stride
+    # Every key of the split precedes the query, so only the split's ragged end needs a mask.
     for start in range(split_start, split_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_valid = n < split_end
-        k = _load_page_rows(
-            k_cache_ptr,
-            table_row,
-            n,
-            n_valid,
-            kv_head,
-            k_stride_b,
-            k_stride_s,
-            k_stride_h,
-            dims,
-            dims < head_dim,
-            block_size,
-        )
-        s = _scores(q, k, scale, soft_cap, USE_SOFT_CAP, PRECISION)
-        s = tl.where(n_valid[None, :], s, float("-inf"))
-        v = _load_page_rows(
-            v_cache_ptr,
-            table_row,
-            n,
-            n_valid,
-            kv_head,
-            v_stride_b,
-            v_stride_s,
-            v_stride_h,
-            vdims,
-            vdims < v_head_dim,
-            block_size,
-        )
-        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, start, split_end, q_pos, window,
+            k_cache_ptr, v_cache_ptr, table_row, kv_head,
+            k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+            dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
+            BLOCK_N, True, USE_SOFT_CAP, False, PRECISION,
+        )  # fmt: skip
     part = (seq * num_q_heads + head) * NUM_SPLITS + split
     tl.store(part_max_ptr + part, m_i, mask=row_valid)
     tl.store(part_sum_ptr + part, l_i, mask=row_valid)
@@ -248,7 +223,7 @@ def _decode_reduce_kernel(
     maxes = tl.load(part_max_ptr + base + splits)
     sums = tl.load(part_sum_ptr + base + splits)
     global_max = tl.max(maxes, 0)
-    weights = tl.where(maxes == float("-inf"), 0.0, tl.exp(maxes - global_max))
+    weights = tl.where(maxes == float("-inf"), 0.0, tl.exp2(maxes - global_max))
     vdims = tl.arange(0, BLOCK_DV)
     vmask = vdims < v_head_dim
     parts = tl.load(
@@ -290,15 +265,18 @@ def _cache_strides(key_cache, value_cache):
     )  # fmt: skip
 
 
+def decode_splits(programs: int) -> int:
+    wanted = triton.next_power_of_2(triton.cdiv(DECODE_TARGET_PROGRAMS, max(1, programs)))
+    return min(MAX_DECODE_SPLITS, wanted)
+
+
 def decode_attention(
     query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
 ):
     num_decodes = metadata.num_decodes
     num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     config = DECODE_CONFIG
-    num_splits = config["num_splits"]
-    if num_decodes * num_kv_heads < FEW_DECODE_PROGRAMS:
-        num_splits = max(num_splits, FEW_DECODE_SPLITS)
+    num_splits = config.get("num_splits") or decode_splits(num_decodes * num_kv_heads)
     args = _common(query, key_cache, value_cache, sliding_window, logits_soft_cap)
     v_head_dim = args["v_head_dim"]
     part_out = torch.empty(

@@ -1,0 +1,233 @@
+"""Fused MoE: align rows by expert, grouped GEMM w13 with SiLU-and-mul, grouped GEMM w2
+with the routing weights, per-token sum. No host synchronisation (CUDA-graph safe).
+
+Both GEMMs run one program per (M-block of one expert, N-tile). The w13 GEMM computes the
+gate and up tiles of the same columns side by side and stores silu(gate) * up, so the
+2I-wide intermediate never reaches memory. Weights may be bf16/fp16/fp32, FP8 with a
+per-expert or per-row scale (upcast in registers, W8A16), or FP8 with 128x128 block scales,
+in which case activations are quantized per token group and the GEMMs run in FP8.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from atom.kernels.fp8 import FP8_DTYPE, quantize_fp8_per_token_group
+from atom.kernels.moe import capturable
+from atom.kernels.policy import register
+from atom.kernels.triton.moe_align import align_to_experts
+
+# Weight scale kinds (constexpr SCALES).
+NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1  # M-blocks swept per N-tile before moving on (L2 reuse of weights)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _dot_step(acc, a, b_ptrs, b_mask, scale, SCALES: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    if SCALES == 2:  # FP8 x FP8; the block scales vary along K, so apply them per step
+        return acc + tl.dot(a, b) * scale
+    if SCALES == 1:  # fp8 -> activation dtype is exact; the row scale is applied at the end
+        b = b.to(a.dtype)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, routing_weights_ptr,
+    sorted_rows_ptr, block_expert_ptr,
+    num_rows, num_experts, N, K, max_blocks, up_offset,
+    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
+    SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """C[row, :N] = A[row // A_ROW_DIV] @ B[expert]^T for the rows of one M-block.
+
+    B rows are output columns (K contiguous). GATED: columns n and n + up_offset of B are the
+    gate and up halves and C gets silu(gate) * up. APPLY_WEIGHT scales row r by
+    routing_weights[r]."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    blocks_per_group = GROUP_M * num_pid_n
+    first_m = (pid // blocks_per_group) * GROUP_M
+    group_rows = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % blocks_per_group) % group_rows
+    pid_n = (pid % blocks_per_group) // group_rows
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:  # past the last used block
+        return
+    expert = expert.to(tl.int64)
+    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_rows
+    a_rows = (rows // A_ROW_DIV).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
+    b_ptrs = b_ptr + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bn + ks[:, None]
+    up_ptrs = b_ptrs + up_offset * stride_bn
+    scale_base = b_scale_ptr + expert * stride_bse
+    if SCALES == 2:
+        b_scale_ptrs = scale_base + (cols // GROUP_N) * stride_bsn
+        up_scale_ptrs = scale_base + ((cols + up_offset) // GROUP_N) * stride_bsn
+    else:
+        b_scale_ptrs = scale_base + cols * stride_bsn
+        up_scale_ptrs = b_scale_ptrs + up_offset * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        if SCALES == 2:  # BLOCK_K divides GROUP_K: one activation and weight scale per step
+            group = k0 // GROUP_K
+            a_scale = tl.load(a_scale_ptr + a_rows * stride_asm + group, mask=row_ok, other=0.0)
+            b_scale = tl.load(b_scale_ptrs + group * stride_bsk, mask=col_ok, other=0.0)
+            scale = a_scale[:, None] * b_scale[None, :]
+            if GATED:
+                up_scale = tl.load(up_scale_ptrs + group * stride_bsk, mask=col_ok, other=0.0)
+                up_scale = a_scale[:, None] * up_scale[None, :]
+        else:
+            scale = 1.0
+            up_scale = 1.0
+        acc = _dot_step(acc, a, b_ptrs, b_mask, scale, SCALES, PRECISION)
+        if GATED:
+            acc_up = _dot_step(acc_up, a, up_ptrs, b_mask, up_scale, SCALES, PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    if SCALES == 1:
+        acc *= tl.load(b_scale_ptrs, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(up_scale_ptrs, mask=col_ok, other=0.0)[None, :]
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if APPLY_WEIGHT:
+        acc *= tl.load(routing_weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_config(
+    num_rows: int, num_experts: int, inter: int, dtype: torch.dtype, fp8_block: bool, device
+) -> MoEConfig:
+    """Tiles by the expected rows per expert (uniform routing)."""
+    fp32 = dtype == torch.float32  # 4-byte operands: smaller tiles fit shared memory
+    block_k = 128 if fp8_block else (32 if fp32 else 64)
+    stages = 2 if fp32 else 3
+    rows_per_expert = num_rows / num_experts
+    if rows_per_expert <= 16:
+        # Streaming the weights dominates: one small M-block per expert, long K steps, and
+        # narrow N-tiles where wide ones would leave SMs idle.
+        used_blocks = min(num_rows, num_experts)
+        wide = used_blocks * triton.cdiv(inter, 64) >= 2 * _num_sms(device)
+        return MoEConfig(
+            16, 64 if wide else 32, block_k if fp32 else 128, 1, 4, stages if fp32 else 4
+        )
+    if rows_per_expert <= 64:
+        return MoEConfig(32, 64, block_k, 4, 4, stages)
+    block_n = 64 if fp32 else 128
+    if rows_per_expert <= 256:
+        return MoEConfig(64, block_n, block_k, 8, 4, stages)
+    return MoEConfig(128, block_n, block_k, 8, 8, stages)
+
+
+def _row_scale(scale: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, int, int]:
+    """A per-expert [E] / [E, 1] or per-row [E, N, 1] scale as [E, N or 1] with strides."""
+    rows = scale.reshape(num_experts, -1).float()
+    return rows, rows.stride(0), (rows.stride(1) if rows.shape[1] > 1 else 0)
+
+
+def _launch_gemm(a, a_scale, w, w_scale, out, routing_weights, aligned, cfg, block_size, **kw):
+    sorted_rows, block_expert = aligned
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    num_experts, n_total, k = w.shape
+    gated = kw["gated"]
+    n = n_total // 2 if gated else n_total
+    if w_scale is None:
+        scales, w_scale, s_strides = NO_SCALE, w, (0, 0, 0)
+    elif block_size is None:
+        w_scale, se, sn = _row_scale(w_scale, num_experts)
+        scales, s_strides = ROW_SCALE, (se, sn, 0)
+    else:
+        scales, s_strides = BLOCK_SCALE, w_scale.stride()
+    group_n, group_k = block_size if block_size is not None else (1, 1)
+    max_blocks = block_expert.numel()
+    grid = (max_blocks * triton.cdiv(n, cfg.block_n),)
+    _moe_gemm_kernel[grid](
+        a, a if a_scale is None else a_scale, w, w_scale, out,
+        out if routing_weights is None else routing_weights, sorted_rows, block_expert,
+        out.shape[0], num_experts, n, k, max_blocks, n if gated else 0,
+        a.stride(0), 0 if a_scale is None else a_scale.stride(0), w.stride(0), w.stride(1),
+        *s_strides, out.stride(0),
+        A_ROW_DIV=kw["a_row_div"], GATED=gated, APPLY_WEIGHT=routing_weights is not None,
+        SCALES=scales, GROUP_N=group_n, GROUP_K=group_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _activations(x: torch.Tensor, block_size):
+    if block_size is None:
+        return x, None
+    return quantize_fp8_per_token_group(x, block_size[1])
+
+
+@register("fused_moe", "triton")
+@capturable
+def fused_moe_triton(
+    hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_size,
+    config: MoEConfig | None = None,
+):  # fmt: skip
+    if activation != "silu":
+        raise ValueError(f"unsupported MoE activation {activation!r}")
+    num_tokens, top_k = topk_ids.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    out = torch.empty(num_tokens, top_k, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    if num_tokens == 0:
+        return out.sum(1)
+    fp8_block = block_size is not None
+    if fp8_block and block_size[1] % 128:
+        raise ValueError(f"FP8 block MoE needs K blocks of a multiple of 128, got {block_size}")
+    cfg = config or pick_config(
+        num_tokens * top_k, num_experts, inter, hidden.dtype, fp8_block, hidden.device
+    )
+    aligned = align_to_experts(topk_ids, num_experts, cfg.block_m)
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    if w13.dtype == FP8_DTYPE and w13_scale is None:
+        raise ValueError("FP8 experts need their weight scales")
+    a, a_scale = _activations(hidden, block_size)
+    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    _launch_gemm(
+        a, a_scale, w13, w13_scale, act, None, aligned, cfg, block_size, gated=True, a_row_div=top_k
+    )
+    a, a_scale = _activations(act, block_size)
+    _launch_gemm(
+        a, a_scale, w2, w2_scale, out.view(-1, w2.shape[1]), topk_weights.reshape(-1),
+        aligned, cfg, block_size, gated=False, a_row_div=1,
+    )  # fmt: skip
+    return out.sum(1)
