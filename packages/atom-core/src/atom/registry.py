@@ -46,7 +46,7 @@ _ENTRIES = (
         "MixtralForCausalLM",
         "Mixtral",
         moe=True,
-        hosts=("atom", "vllm"),
+        hosts=("atom", "vllm"),  # SGLang: not verified on its CPU engine
     ),
     ModelEntry(
         "DeepseekV2ForCausalLM",

@@ -1,0 +1,36 @@
+"""A host's tensor-parallel group coordinator seen through ATOM's `TensorParallelGroup`.
+
+vLLM and SGLang both hand their workers a `GroupCoordinator` (SGLang's is derived from
+vLLM's) with `rank_in_group`, `world_size`, an out-of-place `all_reduce(x)` and
+`all_gather(x, dim)`. ATOM's layers must shard over that very group (its communicators,
+custom all-reduce and CUDA-graph capture context), so a plugin installs this adapter
+(`atom.distributed.set_tp_group`) before it builds the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class CoordinatorTensorParallelGroup:
+    """rank / world_size / all_reduce / all_gather over a host's group coordinator."""
+
+    def __init__(self, coordinator: Any):
+        self.coordinator = coordinator
+        self.rank = coordinator.rank_in_group
+        self.world_size = coordinator.world_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        # The hosts' all-reduce is out of place: use the returned tensor.
+        return self.coordinator.all_reduce(x)
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return self.coordinator.all_gather(x, dim)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({type(self.coordinator).__name__}, "
+            f"rank={self.rank}, world_size={self.world_size})"
+        )

@@ -1,0 +1,122 @@
+"""atom-sglang: SGLang runs ATOM's model implementations and attention backend.
+
+SGLang calls `register()` through the `sglang.srt.plugins` entry point in the processes
+that load plugins (the engine's main process and each scheduler). It
+
+* registers ATOM's attention backend in SGLang's attention-backend registry under the
+  name `"atom"` and adds that name to the accepted `--attention-backend` choices;
+* overrides SGLang's model-registry entries of every architecture `atom.registry` marks
+  SGLang-capable with ATOM's wrapper class (`atom_sglang.model.AtomForCausalLM`);
+* on SGLang's CPU engine only, registers the hook listed in `atom_sglang.patches`.
+
+The same classes are an SGLang external model package without the plugin:
+`SGLANG_EXTERNAL_MODEL_PACKAGE=atom_sglang.models`. `ATOM_DISABLE_SGLANG_PLUGIN=1`
+turns the plugin off (SGLang then runs its own models and has no "atom" backend).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+
+__version__ = "0.1.0"
+
+DISABLE_ENV = "ATOM_DISABLE_SGLANG_PLUGIN"
+BACKEND_NAME = "atom"
+
+logger = logging.getLogger("sglang.atom_sglang")
+
+_registered: list[str] | None = None
+
+
+def plugin_disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def _say(message: str, *args: object, level: int = logging.INFO, exc_info: bool = False) -> None:
+    """Logs through SGLang's logging, or to stderr while it has none configured."""
+    if logging.getLogger().handlers or logging.getLogger("sglang").handlers:
+        logger.log(level, message, *args, exc_info=exc_info)
+        return
+    print(f"[atom_sglang pid={os.getpid()}] " + (message % args), file=sys.stderr)
+    if exc_info:
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+
+
+def served_architectures() -> list[str]:
+    """Registry architectures for host "sglang" whose ATOM module and adapter exist."""
+    from atom.registry import all_models
+    from atom_sglang.adapters import has_adapter
+
+    archs = []
+    for entry in all_models():
+        if "sglang" not in entry.hosts or not has_adapter(entry):
+            continue
+        try:
+            available = importlib.util.find_spec(entry.module) is not None
+        except (ImportError, ValueError):
+            available = False
+        if available:
+            archs.append(entry.architecture)
+    return archs
+
+
+def register_attention_backend() -> None:
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    from atom_sglang.backend import create_atom_backend
+
+    ATTENTION_BACKENDS[BACKEND_NAME] = create_atom_backend
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+
+
+def register_models(archs: list[str]) -> None:
+    from sglang.srt.models.registry import ModelRegistry
+
+    from atom_sglang.model import wrapper_class
+
+    for arch in archs:
+        ModelRegistry.models[arch] = wrapper_class(arch)
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point: idempotent, never raises into SGLang."""
+    global _registered
+    if plugin_disabled():
+        if _registered is None:
+            _registered = []
+            _say("%s=1: ATOM plugin inactive, SGLang runs its own models", DISABLE_ENV)
+        return
+    if _registered:
+        return
+    try:
+        from atom_sglang.patches import apply_patches
+
+        archs = served_architectures()
+        register_attention_backend()
+        register_models(archs)
+        patched = apply_patches()
+        _registered = archs
+        _say(
+            "ATOM %s serves %s in SGLang (attention backend %r%s)",
+            __version__,
+            ", ".join(archs) or "no architectures",
+            BACKEND_NAME,
+            f"; hooks: {', '.join(patched)}" if patched else "",
+        )
+    except Exception:  # never break SGLang: log and leave it as it was
+        _registered = None
+        _say(
+            "atom_sglang.register() failed; SGLang runs its own models",
+            level=logging.ERROR,
+            exc_info=True,
+        )
+
+
+__all__ = ["register", "served_architectures", "plugin_disabled", "__version__"]

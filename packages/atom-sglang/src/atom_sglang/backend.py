@@ -1,0 +1,227 @@
+"""ATOM's attention backend for SGLang (`attention_backend="atom"`), MHA and MLA.
+
+SGLang calls `init_forward_metadata(forward_batch)` once per forward; the backend turns
+the batch into `atom.forward_context.AttentionMetadata` (DESIGN.md §3) through the
+request-to-token table (`atom.hosts.token_table`). Every `RadixAttention` layer then
+calls `forward_extend` / `forward_decode`, which write the new K/V into SGLang's own
+KV pool with ATOM's cache-write kernel and attend with ATOM's kernels (the kernel
+policy picks torch on CPU, Triton on GPU), over the pool viewed as pages:
+
+* MHA pool (`MHATokenToKVPool`, NHD layout): key/value `[slots, Hkv, D]` per layer
+  -> `[slots / P, P, Hkv, D]`, `atom.kernels.paged_attention`.
+* MLA pool (`MLATokenToKVPool`): one latent row `[slots, 1, L + R]` per token. SGLang's
+  MLA layers call attention in the weight-absorbed form (q `[T, H, L + R]`, values =
+  the first L channels): decode steps run `atom.kernels.mla_decode_attention`, extend
+  steps the same latent-space MQA through `paged_attention`.
+
+CUDA graphs (decode): `init_cuda_graph_state` allocates static metadata buffers;
+`init_forward_metadata_out_graph` refills them from the (padded) batch before capture
+and before every replay, so the captured kernels read the same addresses each time.
+It serves SGLang's own models as well as ATOM's (any `RadixAttention` caller).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from atom.forward_context import AttentionMetadata
+from atom.hosts.token_table import (
+    block_table_from_token_table,
+    metadata_from_token_table,
+    paged_view,
+)
+from atom.kernels import mla_decode_attention, paged_attention, write_kv_cache, write_mla_cache
+from atom.kernels.policy import selected_backend
+
+BACKEND_NAME = "atom"
+logger = logging.getLogger("sglang.atom_sglang.backend")
+
+
+def atom_sliding_window(sglang_window: int | None) -> int | None:
+    """SGLang's `sliding_window_size` w lets a query see keys q-w..q (w + 1 keys);
+    ATOM's window counts the keys it sees. -1 / None: no window."""
+    if sglang_window is None or sglang_window < 0:
+        return None
+    return sglang_window + 1
+
+
+class AtomAttnBackend(AttentionBackend):
+    """SGLang `AttentionBackend` running ATOM's schema and kernels."""
+
+    def __init__(self, model_runner: Any):
+        super().__init__()
+        self.device = torch.device(model_runner.device)
+        # SGLang's forward context reads the two pools from the active backend.
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.req_to_token = self.req_to_token_pool.req_to_token
+        self.page_size = model_runner.page_size
+        self.is_mla = hasattr(self.token_to_kv_pool, "kv_lora_rank")
+        if not self.is_mla and getattr(self.token_to_kv_pool, "use_hnd", False):
+            raise NotImplementedError("ATOM's attention backend reads the NHD KV layout")
+        if getattr(self.token_to_kv_pool, "is_quantized_kv_cache", False):
+            raise NotImplementedError("ATOM's attention backend has no quantized KV cache")
+        self.max_context_len = self.req_to_token.shape[1]
+        self.forward_metadata: AttentionMetadata | None = None
+        self.graph_buffers: dict[str, torch.Tensor] | None = None
+        self.num_calls = 0  # for tests and logs: proof that this backend ran
+        logger.info(
+            "ATOM attention backend: %s pool, page size %d, kernels: paged_attention=%s",
+            "MLA" if self.is_mla else "MHA",
+            self.page_size,
+            selected_backend("paged_attention", self.device),
+        )
+
+    # ------------------------------------------------------------ per-forward metadata
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        if mode.is_target_verify() or mode.is_draft_extend_v2():
+            raise NotImplementedError("ATOM's attention backend has no speculative decoding")
+        bs = forward_batch.batch_size
+        if mode.is_decode():
+            query_lens = torch.ones(bs, dtype=torch.int32, device=forward_batch.seq_lens.device)
+            query_lens_cpu = torch.ones(bs, dtype=torch.int32)
+        else:
+            query_lens = forward_batch.extend_seq_lens
+            query_lens_cpu = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int32)
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        self.forward_metadata = metadata_from_token_table(
+            self.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            query_lens,
+            forward_batch.out_cache_loc,
+            self.page_size,
+            seq_lens_cpu=seq_lens_cpu[:bs] if seq_lens_cpu is not None else None,
+            query_lens_cpu=query_lens_cpu,
+            all_decodes=mode.is_decode(),
+        )
+
+    # ------------------------------------------------------------ CUDA graphs (decode)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        width = -(-self.max_context_len // self.page_size)
+        kw = {"device": self.device}
+        self.graph_buffers = {
+            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, **kw),
+            "seq_lens": torch.ones(max_bs, dtype=torch.int32, **kw),
+            "block_table": torch.zeros(max_bs, width, dtype=torch.int32, **kw),
+            "slot_mapping": torch.zeros(max_num_tokens, dtype=torch.int64, **kw),
+        }
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1  # padded rows: one key (slot 0, SGLang's padding slot)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
+        """Refills the static buffers from a padded decode batch (capture and replay)."""
+        if not forward_batch.forward_mode.is_decode_or_idle():
+            raise NotImplementedError("ATOM's backend captures decode steps only")
+        buffers = self.graph_buffers
+        bs = forward_batch.batch_size
+        width = buffers["block_table"].shape[1]
+        buffers["seq_lens"][:bs].copy_(forward_batch.seq_lens[:bs])
+        buffers["slot_mapping"][:bs].copy_(forward_batch.out_cache_loc[:bs])
+        block_table_from_token_table(
+            self.req_to_token,
+            forward_batch.req_pool_indices[:bs],
+            self.page_size,
+            width * self.page_size,
+            out=buffers["block_table"],
+        )
+        # Graph-stable bounds: the kernels' launch grids must not depend on this batch.
+        self.forward_metadata = AttentionMetadata(
+            query_start_loc=buffers["query_start_loc"][: bs + 1],
+            seq_lens=buffers["seq_lens"][:bs],
+            block_table=buffers["block_table"][:bs],
+            slot_mapping=buffers["slot_mapping"][:bs],
+            num_decodes=bs,
+            num_decode_tokens=bs,
+            max_query_len=1,
+            max_seq_len=width * self.page_size,
+        )
+
+    # ------------------------------------------------------------ attention
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._attend(q, k, v, layer, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._attend(q, k, v, layer, save_kv_cache)
+
+    def _attend(self, q, k, v, layer, save_kv_cache: bool) -> torch.Tensor:
+        metadata = self.forward_metadata
+        if metadata is None:
+            raise RuntimeError("ATOM attention backend: no metadata for this forward")
+        self.num_calls += 1
+        if self.num_calls == 1:
+            logger.info("ATOM attention backend: first attention call (layer %d)", layer.layer_id)
+        if self.is_mla:
+            return self._attend_mla(q, k, layer, metadata, save_kv_cache)
+        if layer.logit_capping_method not in (None, "tanh"):
+            raise NotImplementedError(f"logit capping {layer.logit_capping_method!r}")
+        key_cache = paged_view(self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.page_size)
+        value_cache = paged_view(
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.page_size
+        )
+        num_tokens = metadata.num_tokens
+        if save_kv_cache and k is not None:
+            write_kv_cache(
+                k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)[:num_tokens],
+                v.view(-1, layer.tp_v_head_num, layer.v_head_dim)[:num_tokens],
+                key_cache,
+                value_cache,
+                metadata.slot_mapping,
+            )
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        paged_attention(
+            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)[:num_tokens],
+            key_cache,
+            value_cache,
+            metadata,
+            layer.scaling,
+            sliding_window=atom_sliding_window(layer.sliding_window_size),
+            logits_soft_cap=layer.logit_cap or None,
+            out=out[:num_tokens],
+        )
+        return out.view(q.shape[0], -1)
+
+    def _attend_mla(self, q, k, layer, metadata, save_kv_cache: bool) -> torch.Tensor:
+        """Absorbed MLA: q [T, H, L + R], k [T, 1, L + R] (latent + rope key) -> [T, H*L]."""
+        latent_dim = layer.v_head_dim
+        rows = self.token_to_kv_pool.get_key_buffer(layer.layer_id)  # [slots, 1, L + R]
+        kv_cache = paged_view(rows.squeeze(1), self.page_size)
+        num_tokens = metadata.num_tokens
+        q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if save_kv_cache and k is not None:
+            k = k.view(-1, layer.qk_head_dim)[:num_tokens]
+            write_mla_cache(k[:, :latent_dim], k[:, latent_dim:], kv_cache, metadata.slot_mapping)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, latent_dim)
+        if metadata.num_decodes == metadata.num_seqs:
+            mla_decode_attention(
+                q[:num_tokens, :, :latent_dim],
+                q[:num_tokens, :, latent_dim:],
+                kv_cache,
+                metadata,
+                layer.scaling,
+                out=out[:num_tokens],
+            )
+        else:  # the same latent-space MQA for every new token of an extend step
+            keys = kv_cache.unsqueeze(2)
+            paged_attention(
+                q[:num_tokens], keys, keys[..., :latent_dim], metadata, layer.scaling,
+                out=out[:num_tokens],
+            )  # fmt: skip
+        return out.view(q.shape[0], -1)
+
+
+def create_atom_backend(model_runner: Any) -> AtomAttnBackend:
+    """The factory SGLang's attention-backend registry calls (one per model runner)."""
+    return AtomAttnBackend(model_runner)

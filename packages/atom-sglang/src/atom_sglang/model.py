@@ -1,0 +1,165 @@
+"""The model class SGLang instantiates for every architecture ATOM serves.
+
+One generic `AtomForCausalLM`; `wrapper_class(arch)` makes the subclass named after the
+architecture (SGLang keys its model registry by class name). SGLang constructs it with
+`(config=hf_config, quant_config=...)` under its default dtype and device, then:
+
+* TP: SGLang's tensor-parallel group is installed as ATOM's (`atom.distributed`);
+* attention: the ATOM model is built inside `attention_backend(factory)`, so each ATOM
+  attention layer owns an SGLang `RadixAttention` (`atom_sglang.attention_layer`), of
+  the kind the family's adapter declares (`atom_sglang.adapters`);
+* forward: ATOM's model runs with SGLang's `ForwardBatch` in ATOM's forward context;
+  the hidden states go through SGLang's `LogitsProcessor` with ATOM's LM head (a
+  vocab-parallel slice per rank, as SGLang's own), giving `LogitsProcessorOutput`;
+* weights: `load_weights` takes SGLang's iterator (the checkpoint is read once). SGLang's
+  loader then runs every module's `quant_method.process_weights_after_loading`, which
+  are ATOM's own post-load hooks (ATOM's layers keep their quant methods there).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from sglang.srt.layers.logits_processor import LogitsProcessor
+from torch import nn
+
+from atom.engine.cuda_graphs import graph_blockers
+from atom.forward_context import set_forward_context
+from atom.layers.attention import attention_backend
+from atom.layers.quantization import get_quant_config
+from atom.registry import ModelEntry, get_entry
+from atom_sglang.adapters import SglangAdapter, adapter_for
+from atom_sglang.attention_layer import (
+    FORWARD_BATCH,
+    LAYER_FOR_ATTENTION,
+    sglang_attention_factory,
+)
+from atom_sglang.distributed import install_sglang_tp_group
+
+logger = logging.getLogger("sglang.atom_sglang.model")
+
+ATOM_MODEL_ATTR = "atom_model"
+
+
+class UnsupportedSglangFeature(NotImplementedError):
+    """An SGLang setting ATOM's wrapper cannot honour (ATOM_DISABLE_SGLANG_PLUGIN=1)."""
+
+
+def _cuda_graphs_enabled() -> bool:
+    from sglang.srt.server_args import get_global_server_args
+
+    try:
+        return not get_global_server_args().disable_cuda_graph
+    except Exception:  # no server args in this process (unit tests)
+        return False
+
+
+class AtomForCausalLM(nn.Module):
+    """SGLang's causal-LM model interface around an ATOM model."""
+
+    atom_architecture: ClassVar[str] = ""
+
+    def __init__(self, config: Any, quant_config: Any = None, prefix: str = "", **kwargs: Any):
+        super().__init__()
+        self.entry: ModelEntry = get_entry(self.atom_architecture)
+        self.adapter: SglangAdapter = adapter_for(self.entry)
+        self.config = config
+        self.tp_group = install_sglang_tp_group()
+        atom_quant = get_quant_config(config)
+        model_cls = self.entry.load_class()
+        with attention_backend(sglang_attention_factory(self.adapter)):
+            atom_model = model_cls(config, atom_quant, prefix=prefix)
+        setattr(self, ATOM_MODEL_ATTR, atom_model)
+        self.logits_processor = LogitsProcessor(config)
+        self._pool_checked = False
+        device = next(atom_model.parameters()).device
+        blockers = graph_blockers(atom_model, device) if device.type == "cuda" else []
+        if blockers and _cuda_graphs_enabled():
+            raise UnsupportedSglangFeature(
+                f"ATOM {self.entry.architecture} on this device cannot be captured in CUDA "
+                f"graphs ({', '.join(blockers)}): run SGLang with disable_cuda_graph=True "
+                "(--disable-cuda-graph)"
+            )
+        logger.info(
+            "ATOM %s (%s) built for SGLang: %d %s attention layers, kv pool %s, tp=%d/%d, "
+            "dtype=%s%s",
+            self.entry.architecture,
+            self.entry.class_path,
+            sum(isinstance(m, tuple(LAYER_FOR_ATTENTION.values())) for m in atom_model.modules()),
+            self.adapter.attention,
+            self.adapter.kv_pool,
+            self.tp_group.rank,
+            self.tp_group.world_size,
+            torch.get_default_dtype(),
+            f", quant={atom_quant.name}" if atom_quant is not None else "",
+        )
+
+    @property
+    def model(self) -> nn.Module:
+        return getattr(self, ATOM_MODEL_ATTR)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.model.embed_tokens
+
+    def _check_kv_pool(self) -> None:
+        from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
+
+        is_mla = hasattr(get_token_to_kv_pool(), "kv_lora_rank")
+        if is_mla != (self.adapter.kv_pool == "mla"):
+            raise UnsupportedSglangFeature(
+                f"ATOM {self.entry.architecture} needs an SGLang {self.adapter.kv_pool} KV "
+                f"pool, SGLang allocated {type(get_token_to_kv_pool()).__name__}"
+            )
+        self._pool_checked = True
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: Any,
+        input_embeds: torch.Tensor | None = None,
+        get_embedding: bool = False,
+        pp_proxy_tensors: Any = None,
+        **kwargs: Any,
+    ):
+        if input_embeds is not None or get_embedding or pp_proxy_tensors is not None:
+            raise UnsupportedSglangFeature(
+                "ATOM models in SGLang take token ids and return logits (no input "
+                "embeddings, embedding mode or pipeline parallelism)"
+            )
+        if not self._pool_checked:
+            self._check_kv_pool()
+        with set_forward_context(None, **{FORWARD_BATCH: forward_batch}):
+            hidden_states = self.model(input_ids, positions)
+        return self.logits_processor(input_ids, hidden_states, self.model.lm_head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads SGLang's checkpoint iterator into the ATOM model; returns loaded names."""
+        loaded = self.model.load_weights(weights)
+        return {f"{ATOM_MODEL_ATTR}.{name}" for name in loaded}
+
+
+_classes: dict[str, type[AtomForCausalLM]] = {}
+
+
+def wrapper_class(architecture: str) -> type[AtomForCausalLM]:
+    """The `AtomForCausalLM` subclass SGLang sees for `architecture` (made once)."""
+    cls = _classes.get(architecture)
+    if cls is None:
+        entry = get_entry(architecture)
+        cls = type(
+            architecture,
+            (AtomForCausalLM,),
+            {
+                "atom_architecture": architecture,
+                "__module__": __name__,
+                "__qualname__": architecture,
+                "__doc__": f"ATOM's {entry.family} ({entry.class_path}) as an SGLang model.",
+            },
+        )
+        _classes[architecture] = cls
+    return cls
