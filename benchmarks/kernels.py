@@ -15,9 +15,13 @@ import torch
 import triton
 
 from atom.forward_context import AttentionMetadata
+from atom.kernels.rotary import compute_cos_sin_cache
 from atom.kernels.triton.activation import silu_and_mul_triton
-from atom.kernels.triton.norm import fused_add_rms_norm_triton
+from atom.kernels.triton.fused_qkv import fused_qkv_rope_write_kv_triton
+from atom.kernels.triton.kv_cache import write_kv_cache_triton
+from atom.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
 from atom.kernels.triton.paged_attention import paged_attention_triton
+from atom.kernels.triton.rotary import apply_rotary_emb_triton
 
 PEAK_GBPS = 3350.0  # H100 SXM HBM3
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
@@ -81,18 +85,53 @@ def elementwise_rows():
                "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
 
 
+def unfused_qkv_rope_write_kv(q, k, v, positions, cos_sin, key_cache, value_cache, slots, w):
+    """What the models ran before the fused kernel: five launches and q/k copies."""
+    q, k = rms_norm_triton(q, w, 1e-6), rms_norm_triton(k, w, 1e-6)
+    q, k = apply_rotary_emb_triton(positions, q, k, cos_sin, q.shape[-1], True)
+    write_kv_cache_triton(k, v, key_cache, value_cache, slots)
+    return q
+
+
+def qkv_prologue_rows():
+    # Qwen3-0.6B attention (16 q / 8 kv heads, d=128, q/k norm, neox): a 256-sequence
+    # decode step and prefill chunks, KV into 16-token pages.
+    heads, kv_heads, dim = 16, 8, 128
+    cos_sin = compute_cos_sin_cache(dim, 8192, 1e6, None)[0].cuda()
+    w = torch.rand(dim, device="cuda", dtype=torch.bfloat16) + 0.5
+    for tokens in [256, 8192, 32768]:
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
+        q, k, v = qkv.view(tokens, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
+        positions = torch.randint(0, 8192, (tokens,), device="cuda")
+        cache_shape = (tokens // 16 + 1, 16, kv_heads, dim)
+        key_cache = torch.empty(cache_shape, device="cuda", dtype=torch.bfloat16)
+        value_cache = torch.empty_like(key_cache)
+        slots = torch.randperm(tokens, device="cuda")
+        gbytes = 2 * qkv.numel() * 2 / 1e9  # read q, k, v once; write q, k, v once
+        for name, fn in [
+            ("fused qk-norm+rope+KV", partial(fused_qkv_rope_write_kv_triton, q, k, v, positions,
+             cos_sin, dim, True, key_cache, value_cache, slots, w, w, 1e-6)),
+            ("unfused (5 kernels)", partial(unfused_qkv_rope_write_kv, q, k, v, positions,
+             cos_sin, key_cache, value_cache, slots, w)),
+        ]:  # fmt: skip
+            ms = bench(fn)
+            gbps = gbytes / ms * 1e3
+            yield {"kernel": name, "shape": f"{tokens} tok 16q/8kv d128", "ms": ms,
+                   "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
-    print(f"{'kernel':<20} {'shape':<22} {'ms':>9} {'GB/s | TFLOP/s':>16} {'of peak':>8}")
-    for row in [*decode_rows(), *prefill_rows(), *elementwise_rows()]:
+    print(f"{'kernel':<22} {'shape':<22} {'ms':>9} {'GB/s | TFLOP/s':>16} {'of peak':>8}")
+    for row in [*decode_rows(), *prefill_rows(), *elementwise_rows(), *qkv_prologue_rows()]:
         rate = row.get("GB/s", row.get("TFLOP/s"))
         unit = "GB/s" if "GB/s" in row else "TFLOP/s"
         print(
-            f"{row['kernel']:<20} {row['shape']:<22} {row['ms']:>9.4f} {rate:>10.0f} {unit:<5} {row['peak_fraction']:>7.1%}",
+            f"{row['kernel']:<22} {row['shape']:<22} {row['ms']:>9.4f} {rate:>10.0f} {unit:<5} {row['peak_fraction']:>7.1%}",
             flush=True,
         )
         rows.append(row)

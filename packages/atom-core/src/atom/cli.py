@@ -1,4 +1,4 @@
-"""The `atom` command line: demo, generate, serve."""
+"""The `atom` command line: demo, generate, serve, bench."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, help="default: 512 on GPU, 256 on CPU")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -76,6 +76,16 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from atom.bench.run import main as run_bench
+    from atom.bench.workloads import BenchError
+
+    try:
+        run_bench(args)
+    except BenchError as exc:
+        args.parser.error(str(exc))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atom", description="ATOM: LLM models, kernels and engine"
@@ -107,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", help="the model name clients use (default: MODEL)")
     serve.set_defaults(func=_serve)
+
+    from atom.bench.run import add_arguments as add_bench_arguments
+
+    bench = commands.add_parser(
+        "bench",
+        help="ATOM's engine next to vLLM / SGLang on one GPU: output tokens/s, table, plot",
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench, parser=bench)
     return parser
 
 

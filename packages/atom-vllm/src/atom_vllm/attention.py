@@ -7,8 +7,10 @@
 * `AtomAttentionMetadataBuilder` turns vLLM's `CommonAttentionMetadata` into
   `atom.forward_context.AttentionMetadata`, the schema every ATOM host fills
   (DESIGN.md §3). It asks vLLM to put decodes first (`reorder_batch_threshold = 1`).
-* `AtomAttentionImpl.forward` writes the new K/V into the paged cache, then runs
-  `atom.kernels.paged_attention` (the kernel policy picks torch on CPU, Triton on GPU).
+* `AtomAttentionImpl.forward` runs the step of ATOM's native impl
+  (`atom.layers.paged_attention_impl.write_kv_and_attend`): the model's q/k norm + rotary
+  fused with the KV-cache write, then paged attention (the kernel policy picks torch on
+  CPU, Triton on GPU).
 
 vLLM's `Attention` layer drives all of it: it allocates and binds the KV cache from the
 layer's spec, builds one metadata object per step and KV-cache group, and calls the impl.
@@ -34,7 +36,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from atom.forward_context import AttentionMetadata
-from atom.kernels import paged_attention, write_kv_cache
+from atom.layers.attention import QKRope
+from atom.layers.paged_attention_impl import write_kv_and_attend
 
 BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member register() overrides
 _PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -161,7 +164,12 @@ class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AttentionMetadata]):
 
 
 class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
-    """Writes K/V into the paged cache, then ATOM's paged attention over it."""
+    """Writes K/V into the paged cache, then ATOM's paged attention over it.
+
+    vLLM's attention op passes only q, k and v. ATOM's layer (`VllmAttention`) binds the
+    model's q/k norm + rotary (`qk_rope`) once and sets `positions` before each call; with
+    both, q and k arrive raw and are rotated in the same kernel that writes the cache.
+    """
 
     def __init__(
         self,
@@ -202,6 +210,8 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
         self.num_calls = 0  # for tests and logs: proof that this impl ran
+        self.qk_rope: QKRope | None = None
+        self.positions: torch.Tensor | None = None
 
     def forward(
         self,
@@ -215,26 +225,27 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D|Dv] -> output [T, Hq, Dv] (in place)."""
+        """query [T, Hq, D], key/value [T, Hkv, D|Dv] -> output [T, Hq, Dv] (in place).
+
+        vLLM may pad the batch past the metadata's tokens: only slot_mapping's are written.
+        """
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("ATOM's attention backend has no fused output quantization")
         if attn_metadata is None:  # profiling / dummy run: no cache, no metadata
             return output
         self.num_calls += 1
         key_cache, value_cache = key_value_caches(kv_cache)
-        slots = attn_metadata.slot_mapping
-        num_tokens = min(key.shape[0], slots.shape[0])
-        write_kv_cache(
-            key[:num_tokens], value[:num_tokens], key_cache, value_cache, slots[:num_tokens]
-        )
-        paged_attention(
+        return write_kv_and_attend(
             query,
+            key,
+            value,
             key_cache,
             value_cache,
             attn_metadata,
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            qk_rope=self.qk_rope,
+            positions=self.positions,
             out=output,
         )
-        return output

@@ -21,7 +21,10 @@ from atom_vllm.attention import AtomAttentionBackend
 
 
 class VllmAttention(nn.Module):
-    """ATOM impl contract: (q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv]) -> [T,Hq,Dv]."""
+    """ATOM impl contract: (q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv]) -> [T,Hq,Dv], with raw
+    q/k and `positions=` for a layer with `spec.qk_rope` (AtomAttentionImpl fuses it)."""
+
+    fuses_qk_rope = True
 
     def __init__(self, spec: AttentionSpec, cache_config: Any):
         super().__init__()
@@ -43,9 +46,19 @@ class VllmAttention(nn.Module):
             # says this layer attends to everything.
             self.attn.sliding_window = None
             self.attn.impl.sliding_window = None
+        self.attn.impl.qk_rope = spec.qk_rope
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         spec = self.spec
+        # vLLM's op carries only q, k, v; the impl reads this step's positions from here
+        # (ATOM's model runs eagerly in vLLM, so the call below consumes them at once).
+        self.attn.impl.positions = positions
         out = self.attn(q, k, v)
         return out.view(-1, spec.num_heads, spec.v_head_dim)
 

@@ -74,7 +74,7 @@ class _Shard:
         allocate_kv_cache(self.model, num_blocks, cache.block_size, config.model.dtype, self.device)
         runner = ModelRunner(self.model, cache.block_size, self.device)
         if config.use_cuda_graphs:
-            runner.capture_cuda_graphs(min(config.max_num_seqs, 256), config.model.max_model_len)
+            runner.capture_cuda_graphs(config.max_num_seqs, config.model.max_model_len)
         return runner
 
 

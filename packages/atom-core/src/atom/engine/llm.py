@@ -14,6 +14,10 @@ from atom.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20
+# (max_num_seqs, max_num_batched_tokens) when not given. On a GPU, decode throughput is
+# bound by KV reads and flat beyond a few hundred sequences, while more concurrency than
+# the KV cache holds only buys preemptions; long prefill chunks keep the matmuls large.
+DEFAULT_BATCH_LIMITS = {"cpu": (256, 8192), "cuda": (512, 16384)}
 
 
 class LLM:
@@ -28,7 +32,7 @@ class LLM:
         num_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
@@ -37,6 +41,9 @@ class LLM:
         model_config = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len)
         if kv_cache_memory_bytes is None and num_blocks is None and device == "cpu":
             kv_cache_memory_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+        default_seqs, default_tokens = DEFAULT_BATCH_LIMITS[
+            "cuda" if device.startswith("cuda") else "cpu"
+        ]
         config = EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -48,8 +55,9 @@ class LLM:
             ),
             parallel=ParallelConfig(tensor_parallel_size),
             device=device,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(8192, model_config.max_model_len),
+            max_num_seqs=max_num_seqs or default_seqs,
+            max_num_batched_tokens=max_num_batched_tokens
+            or max(default_tokens, model_config.max_model_len),
             enforce_eager=enforce_eager,
         )
         tokenizer = None if skip_tokenizer_init else load_tokenizer(model)

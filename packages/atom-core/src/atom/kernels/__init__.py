@@ -10,6 +10,7 @@ from atom.kernels.fp8 import (
     quantize_fp8_per_token,
     quantize_fp8_per_token_group,
 )
+from atom.kernels.fused_qkv import fused_qkv_rope_write_kv
 from atom.kernels.kv_cache import write_kv_cache
 from atom.kernels.mla import (
     mla_attention,
@@ -30,6 +31,7 @@ __all__ = [
     "fp8_scaled_mm",
     "fused_add_rms_norm",
     "fused_moe",
+    "fused_qkv_rope_write_kv",
     "grouped_topk",
     "mla_attention",
     "mla_decode_attention",

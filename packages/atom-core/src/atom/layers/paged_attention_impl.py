@@ -5,9 +5,45 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.forward_context import get_forward_context
+from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.kernels import paged_attention, write_kv_cache
-from atom.layers.attention import AttentionSpec
+from atom.layers.attention import AttentionSpec, QKRope
+
+
+def write_kv_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    qk_rope: QKRope | None = None,
+    positions: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The step of every impl on ATOM's cache layout (native, vLLM): K/V into the paged
+    cache, then paged attention. With `positions`, q and k are raw and `qk_rope` is applied
+    in the same kernel as the KV write. slot_mapping may be shorter than q (host padding)."""
+    slots = metadata.slot_mapping
+    if positions is not None:
+        q = qk_rope.apply_and_write_kv(positions, q, k, v, key_cache, value_cache, slots)
+    else:
+        n = slots.shape[0]
+        write_kv_cache(k[:n], v[:n], key_cache, value_cache, slots)
+    return paged_attention(
+        q,
+        key_cache,
+        value_cache,
+        metadata,
+        scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        out=out,
+    )
 
 
 class NativeAttentionImpl(nn.Module):
@@ -15,6 +51,8 @@ class NativeAttentionImpl(nn.Module):
 
     The engine binds the caches with `bind_kv_cache` after it has sized the pool.
     """
+
+    fuses_qk_rope = True
 
     def __init__(self, spec: AttentionSpec):
         super().__init__()
@@ -32,20 +70,29 @@ class NativeAttentionImpl(nn.Module):
     def bind_kv_cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         self.key_cache, self.value_cache = key_cache, value_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         metadata = get_forward_context().attn_metadata
         if metadata is None or self.key_cache is None:
             raise RuntimeError(
                 f"{self.spec.layer_name}: attention needs a KV cache and step metadata "
                 "(run the model under atom.forward_context.set_forward_context)"
             )
-        write_kv_cache(k, v, self.key_cache, self.value_cache, metadata.slot_mapping)
-        return paged_attention(
+        return write_kv_and_attend(
             q,
+            k,
+            v,
             self.key_cache,
             self.value_cache,
             metadata,
             self.spec.scale,
             sliding_window=self.spec.sliding_window,
             logits_soft_cap=self.spec.logits_soft_cap,
+            qk_rope=self.spec.qk_rope,
+            positions=positions,
         )

@@ -11,7 +11,7 @@ from torch import nn
 from atom.config import get_rope_parameters
 from atom.distributed import divide, get_tp_group
 from atom.layers.activation import SiluAndMul
-from atom.layers.attention import Attention
+from atom.layers.attention import Attention, QKRope
 from atom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atom.layers.norm import RMSNorm
@@ -78,10 +78,11 @@ class LlamaAttention(nn.Module):
             get_rope_parameters(config),
             rotary_dim=int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0)),
         )
-        self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # The attention layer applies the norms and rotary, fused with its KV-cache write
+        # where its impl can.
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -89,17 +90,17 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
             prefix=f"{prefix}.attn",
             sliding_window=_sliding_window(config, prefix),
+            qk_rope=QKRope(
+                self.rotary_emb,
+                self.q_norm if qk_norm else None,
+                self.k_norm if qk_norm else None,
+            ),
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, positions))
 
 
 def _sliding_window(config: Any, prefix: str) -> int | None:

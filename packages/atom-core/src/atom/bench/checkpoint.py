@@ -1,0 +1,39 @@
+"""Writes a random-weight checkpoint of a shape: `python -m atom.bench.checkpoint JOB.json`.
+
+Runs in its own process: vLLM hangs when its parent did CPU torch work before forking, and
+the bench's parent stays free of torch. Weights are made on the GPU when there is one
+(seconds for an 8B model) directly in bfloat16, then saved as safetensors; the folder
+appears only when complete, so an interrupted write is never taken for a cached one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def write_checkpoint(config_class: str, architecture: str, fields: dict, folder: Path) -> None:
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_class)(**fields, architectures=[architecture])
+    config.dtype = torch.bfloat16
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):  # made in bfloat16: fp32 first would not fit for large shapes
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    partial.rename(folder)
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    write_checkpoint(job["config_class"], job["architecture"], job["fields"], Path(job["folder"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""One engine in its own process: `python -m atom.bench.driver JOB.json`.
+
+Loads the engine once, then per workload runs a short warm-up and the timed generation
+(greedy, ignore_eos, fixed output length). Events go to stdout as `BENCH_EVENT {json}`
+lines, which the parent shows as progress and collects as results.
+
+The host (vLLM, SGLang) is imported by the name the job gives, in this process only:
+`atom` itself never depends on a host (DESIGN.md §1); the bench launches hosts as peers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from atom.bench.workloads import Workload, make_prompts, warmup_workload
+
+EVENT = "BENCH_EVENT "
+
+
+def emit(event: str, **fields) -> None:
+    print(EVENT + json.dumps({"event": event, **fields}), flush=True)
+
+
+class AtomEngine:
+    def __init__(self, job: dict):
+        from atom import LLM, SamplingParams
+
+        self.params = SamplingParams
+        kwargs = dict(
+            dtype="bfloat16" if job["device"] != "cpu" else "float32",
+            device=job["device"],
+            max_model_len=job["max_model_len"],
+            skip_tokenizer_init=True,
+        )
+        if job["device"] != "cpu":
+            kwargs["gpu_memory_utilization"] = job["gpu_memory_utilization"]
+        self.llm = LLM(model=job["model"], **kwargs, **job["options"])
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
+        params = self.params(
+            temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False
+        )
+        return [
+            len(o.outputs[0].token_ids) for o in self.llm.generate(prompts, params, use_tqdm=False)
+        ]
+
+
+class VllmEngine:
+    def __init__(self, job: dict):
+        vllm = importlib.import_module(job["host"])
+        self.params = vllm.SamplingParams
+        self.llm = vllm.LLM(
+            model=job["model"],
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            max_model_len=job["max_model_len"],
+            gpu_memory_utilization=job["gpu_memory_utilization"],
+            seed=0,
+            **job["options"],
+        )
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
+        params = self.params(
+            temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False
+        )
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        return [len(o.outputs[0].token_ids) for o in outputs]
+
+
+class SglangEngine:
+    def __init__(self, job: dict):
+        sglang = importlib.import_module(job["host"])
+        # SGLang's staged kernels have no FA3: triton attention for its own model, ATOM's
+        # backend when the plugin runs.
+        backend = "atom" if job["plugin"] else "triton"
+        self.engine = sglang.Engine(
+            model_path=job["model"],
+            attention_backend=backend,
+            sampling_backend="pytorch",
+            skip_tokenizer_init=True,
+            mem_fraction_static=job["gpu_memory_utilization"],
+            context_length=job["max_model_len"],
+            random_seed=0,
+            log_level="warning",
+            **job["options"],
+        )
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
+        params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+        outputs = self.engine.generate(input_ids=prompts, sampling_params=params)
+        return [len(o["output_ids"]) for o in outputs]
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+HOSTS = {"atom": AtomEngine, "vllm": VllmEngine, "sglang": SglangEngine}
+
+
+def run(job: dict) -> None:
+    started = time.perf_counter()
+    engine = HOSTS[job["host"]](job)
+    emit("ready", init_s=time.perf_counter() - started)
+    for spec in job["workloads"]:
+        workload = Workload(**spec)
+        prompts = make_prompts(workload, job["vocab_size"], job["seed"])
+        emit("start", workload=workload.name)
+        warm = warmup_workload(workload)
+        engine.generate(prompts[: warm.num_prompts], warm.output_len)
+        t = time.perf_counter()
+        lengths = engine.generate(prompts, workload.output_len)
+        elapsed = time.perf_counter() - t
+        output_tokens = sum(lengths)
+        emit(
+            "result",
+            workload=workload.name,
+            time_s=elapsed,
+            output_tokens=output_tokens,
+            output_tok_s=output_tokens / elapsed,
+            total_tok_s=(output_tokens + workload.num_prompts * workload.input_len) / elapsed,
+            short_outputs=sum(n != workload.output_len for n in lengths),
+        )
+    if hasattr(engine, "close"):
+        engine.close()
+
+
+def main() -> None:
+    run(json.loads(Path(sys.argv[1]).read_text()))
+
+
+if __name__ == "__main__":
+    main()

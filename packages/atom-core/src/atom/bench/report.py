@@ -1,0 +1,95 @@
+"""The bench's results as a table, a JSON file and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+COLUMNS = ["shape", "engine", "requests", "input", "output", "out tok/s", "total tok/s", "ratio"]
+
+
+def add_ratios(results: list[dict], baseline: str) -> None:
+    """ratio = output tok/s / the baseline engine's on the same shape and workload."""
+    base = {
+        (r["shape"], r["workload"]): r["output_tok_s"]
+        for r in results
+        if r["engine"] == baseline and "output_tok_s" in r
+    }
+    for r in results:
+        reference = base.get((r["shape"], r["workload"]))
+        r["ratio"] = r["output_tok_s"] / reference if reference and "output_tok_s" in r else None
+
+
+def _row(r: dict) -> list[str]:
+    numbers = (
+        [f"{r['output_tok_s']:,.1f}", f"{r['total_tok_s']:,.1f}"]
+        if "output_tok_s" in r
+        else ["failed", "-"]
+    )
+    ratio = f"{r['ratio']:.3f}" if r.get("ratio") is not None else "-"
+    return [
+        r["shape"],
+        r["engine"],
+        str(r["num_prompts"]),
+        str(r["input_len"]),
+        str(r["output_len"]),
+        *numbers,
+        ratio,
+    ]
+
+
+def format_table(results: list[dict], baseline: str) -> str:
+    header = [*COLUMNS[:-1], f"ratio vs {baseline}"]
+    rows = [header] + [_row(r) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: Path, settings: dict, results: list[dict]) -> None:
+    path.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
+
+
+def write_plot(path: Path, results: list[dict], baseline: str) -> str | None:
+    """Output tok/s per workload, one bar per engine, one panel per shape; returns why
+    no plot was written, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot written"
+    shapes = list(dict.fromkeys(r["shape"] for r in results))
+    engines = list(dict.fromkeys(r["engine"] for r in results))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    width = 0.8 / len(engines)
+    for ax, shape in zip(axes[0], shapes):
+        rows = [r for r in results if r["shape"] == shape]
+        workloads = list(dict.fromkeys(r["workload"] for r in rows))
+        for j, engine in enumerate(engines):
+            by_workload = {r["workload"]: r for r in rows if r["engine"] == engine}
+            xs = [i + (j - (len(engines) - 1) / 2) * width for i in range(len(workloads))]
+            ys = [by_workload.get(w, {}).get("output_tok_s", 0.0) for w in workloads]
+            bars = ax.bar(xs, ys, width, label=engine)
+            for bar, w in zip(bars, workloads):
+                ratio = by_workload.get(w, {}).get("ratio")
+                if ratio is not None and engine != baseline:
+                    ax.annotate(
+                        f"{ratio:.2f}x",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
+        ax.set_xticks(range(len(workloads)), workloads)
+        ax.set_yscale("log")
+        ax.set_title(shape)
+        ax.set_ylabel("output tokens/s")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"atom bench (ratios vs {baseline})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

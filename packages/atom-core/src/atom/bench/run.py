@@ -1,0 +1,273 @@
+"""`atom bench`: options, the run over shapes x engines, progress, and the outputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from atom.bench.driver import EVENT
+from atom.bench.engines import DEFAULT_ENGINES, ENGINES, EngineSpec, engine_env, parse_engines
+from atom.bench.report import add_ratios, format_table, write_json, write_plot
+from atom.bench.shapes import DEFAULT_SHAPES, SHAPES, Shape, parse_shapes
+from atom.bench.workloads import DEFAULT_WORKLOADS, BenchError, parse_workloads
+
+HEARTBEAT_S = 30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engines",
+        default=DEFAULT_ENGINES,
+        help=f"comma-separated, from: {', '.join(ENGINES)} (default: {DEFAULT_ENGINES})",
+    )
+    parser.add_argument(
+        "--shapes",
+        default=DEFAULT_SHAPES,
+        help=f"checkpoint shapes, from: {', '.join(SHAPES)}; NAME:LAYERS sets the depth "
+        f"(default: {DEFAULT_SHAPES})",
+    )
+    parser.add_argument(
+        "--workloads",
+        default=DEFAULT_WORKLOADS,
+        help=f"NxIN->OUT,... (default: {DEFAULT_WORKLOADS})",
+    )
+    parser.add_argument("--baseline", help="engine the ratios divide by (default: vllm if run)")
+    parser.add_argument("--vllm-path", help="prepended to PYTHONPATH of vLLM runs")
+    parser.add_argument("--sglang-path", help="prepended to PYTHONPATH of SGLang runs")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (ATOM only)")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="default: 2048 (less if a shape has fewer positions), or the longest workload",
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
+    parser.add_argument(
+        "--work",
+        default=str(Path.home() / ".cache" / "atom-bench"),
+        help="cached checkpoints, job files and engine logs",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3600, help="seconds per engine and shape (default 3600)"
+    )
+    for host in ("atom", "vllm", "sglang"):
+        parser.add_argument(
+            f"--{host}-option",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"extra keyword for the {host} engine constructor (VALUE parsed as JSON)",
+        )
+
+
+def _options(items: list[str]) -> dict:
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise BenchError(f"engine option {item!r} is not KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+class _Clock:
+    def __init__(self):
+        self.start = time.monotonic()
+
+    def say(self, message: str) -> None:
+        minutes, seconds = divmod(int(time.monotonic() - self.start), 60)
+        print(f"[{minutes:3d}:{seconds:02d}] {message}", flush=True)
+
+
+def ensure_checkpoint(shape: Shape, work: Path, clock: _Clock) -> Path:
+    folder = shape.cache_folder(work / "checkpoints")
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    job = folder.with_name(folder.name + ".job.json")
+    job.write_text(
+        json.dumps(
+            dict(
+                config_class=shape.config_class,
+                architecture=shape.architecture,
+                fields=shape.fields,
+                folder=str(folder),
+            )
+        )
+    )
+    clock.say(f"{shape.name}: writing a random checkpoint to {folder}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "atom.bench.checkpoint", str(job)], capture_output=True, text=True
+    )
+    if proc.returncode:
+        raise BenchError(f"writing the {shape.name} checkpoint failed:\n{proc.stderr[-3000:]}")
+    return folder
+
+
+def _reader(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def run_engine(spec: EngineSpec, shape: Shape, folder: Path, args, clock: _Clock) -> list[dict]:
+    """Runs one engine over all workloads in a subprocess; one result dict per workload."""
+    work = Path(args.work)
+    tag = f"{shape.name.replace(':', '-L')}.{spec.name}"
+    job_file = work / "jobs" / f"{tag}.json"
+    job_file.parent.mkdir(parents=True, exist_ok=True)
+    options = args.host_options[spec.host]
+    job_file.write_text(
+        json.dumps(
+            dict(
+                host=spec.host,
+                plugin=spec.plugin is not None,
+                model=str(folder),
+                device=args.device,
+                max_model_len=args.max_model_len,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                vocab_size=shape.vocab_size,
+                seed=args.seed,
+                workloads=[asdict(w) for w in args.workload_list],
+                options=options,
+            )
+        )
+    )
+    log_path = work / "logs" / f"{tag}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = engine_env(spec, {"vllm": args.vllm_path, "sglang": args.sglang_path}, work)
+    where = f"{shape.name} / {spec.name}"
+    clock.say(f"{where}: starting ({spec.description}); log: {log_path}")
+    results: dict[str, dict] = {}
+    started = time.monotonic()
+    current, current_since = "loading", started
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "atom.bench.driver", str(job_file)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+            start_new_session=True,  # its own process group: a timeout ends all its children
+        )
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+        last_beat = time.monotonic()
+        while True:
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            now = time.monotonic()
+            if line.startswith(EVENT):
+                event = json.loads(line[len(EVENT) :])
+                if event["event"] == "ready":
+                    clock.say(f"{where}: ready after {event['init_s']:.1f} s")
+                elif event["event"] == "start":
+                    current, current_since = event["workload"], now
+                    clock.say(f"{where}: running {current}")
+                elif event["event"] == "result":
+                    results[event["workload"]] = event
+                    clock.say(
+                        f"{where}: {event['workload']}: {event['output_tok_s']:,.1f} output tok/s "
+                        f"({event['time_s']:.2f} s)"
+                    )
+            elif line:
+                log.write(line)
+            if now - last_beat >= HEARTBEAT_S:
+                clock.say(f"{where}: still {current} ({now - current_since:.0f} s)")
+                last_beat = now
+            if now - started > args.timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+                clock.say(f"{where}: timed out after {args.timeout:.0f} s")
+                break
+        returncode = proc.wait()
+    if returncode and len(results) < len(args.workload_list):
+        tail = log_path.read_text()[-2000:]
+        clock.say(f"{where}: FAILED (exit {returncode}); end of its log:\n{tail}")
+    rows = []
+    for w in args.workload_list:
+        row = dict(
+            shape=shape.name,
+            engine=spec.name,
+            workload=w.name,
+            num_prompts=w.num_prompts,
+            input_len=w.input_len,
+            output_len=w.output_len,
+        )
+        if w.name in results:
+            row.update({k: v for k, v in results[w.name].items() if k not in ("event", "workload")})
+        else:
+            row["error"] = f"no result; see {log_path}"
+        rows.append(row)
+    return rows
+
+
+def resolve(args: argparse.Namespace) -> None:
+    """Parses and checks the options in place; raises BenchError with the reason."""
+    args.engine_list = parse_engines(args.engines)
+    args.shape_list = parse_shapes(args.shapes)
+    args.workload_list = parse_workloads(args.workloads)
+    names = [e.name for e in args.engine_list]
+    if args.baseline is None:
+        args.baseline = "vllm" if "vllm" in names else names[0]
+    elif args.baseline not in names:
+        raise BenchError(f"--baseline {args.baseline} is not among --engines {args.engines}")
+    longest = max(w.total_len for w in args.workload_list)
+    if args.max_model_len is None:
+        limit = min(s.fields["max_position_embeddings"] for s in args.shape_list)
+        args.max_model_len = max(min(2048, limit), longest)
+    elif args.max_model_len < longest:
+        raise BenchError(f"--max-model-len {args.max_model_len} < the longest workload ({longest})")
+    for shape in args.shape_list:
+        limit = shape.fields["max_position_embeddings"]
+        if args.max_model_len > limit:
+            raise BenchError(f"--max-model-len exceeds {shape.name}'s {limit} positions")
+    if args.device not in ("cuda", "cpu"):
+        raise BenchError(f"--device {args.device!r}: use cuda or cpu")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise BenchError("--gpu-memory-utilization must be in (0, 1]")
+    for host, path in (("vllm", args.vllm_path), ("sglang", args.sglang_path)):
+        if path and not Path(path).is_dir():
+            raise BenchError(f"--{host}-path {path} is not a directory")
+    args.host_options = {
+        host: _options(getattr(args, f"{host}_option")) for host in ("atom", "vllm", "sglang")
+    }
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    resolve(args)
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    clock = _Clock()
+    results: list[dict] = []
+    for shape in args.shape_list:
+        folder = ensure_checkpoint(shape, work, clock)
+        for spec in args.engine_list:
+            results += run_engine(spec, shape, folder, args, clock)
+    add_ratios(results, args.baseline)
+    settings = {
+        k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))
+    }
+    write_json(out / "bench.json", settings, results)
+    print(format_table(results, args.baseline), flush=True)
+    why_not = write_plot(out / "bench.png", results, args.baseline)
+    print(why_not or f"plot: {out / 'bench.png'}")
+    print(f"results: {out / 'bench.json'}", flush=True)
+    return results

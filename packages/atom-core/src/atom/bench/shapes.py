@@ -1,0 +1,134 @@
+"""Model shapes for random-weight checkpoints, and where their checkpoints are cached.
+
+A shape is a transformers config (class name + fields). `NAME:LAYERS` overrides the
+layer count, e.g. `qwen3-30b-a3b:24` when the full depth does not fit the GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from atom.bench.workloads import BenchError
+
+DEFAULT_SHAPES = "qwen3-0.6b,qwen3-8b,qwen3-30b-a3b:24"
+
+_QWEN3_COMMON = dict(
+    vocab_size=151936,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000,
+    rms_norm_eps=1e-6,
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    config_class: str  # a transformers config class
+    architecture: str
+    fields: dict = field(hash=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.fields["num_hidden_layers"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.fields["vocab_size"]
+
+    def cache_folder(self, root: Path) -> Path:
+        """A folder per distinct config, so a changed shape never reuses a stale checkpoint."""
+        key = json.dumps([self.config_class, self.architecture, self.fields], sort_keys=True)
+        return (
+            root / f"{self.name.replace(':', '-L')}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+        )
+
+
+SHAPES = {
+    "qwen3-0.6b": Shape(
+        "qwen3-0.6b",
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            _QWEN3_COMMON,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-8b": Shape(
+        "qwen3-8b",
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            _QWEN3_COMMON,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3-30b-a3b": Shape(
+        "qwen3-30b-a3b",
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            _QWEN3_COMMON,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # For tests and CPU smoke runs.
+    "tiny": Shape(
+        "tiny",
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    shapes = []
+    for item in (x.strip() for x in text.split(",")):
+        name, _, layers = item.partition(":")
+        if name not in SHAPES:
+            raise BenchError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+        shape = SHAPES[name]
+        if layers:
+            if not layers.isdigit() or int(layers) < 1:
+                raise BenchError(f"shape {item!r}: the layer count after ':' must be >= 1")
+            fields = dict(shape.fields, num_hidden_layers=int(layers))
+            shape = Shape(item, shape.config_class, shape.architecture, fields)
+        shapes.append(shape)
+    if len({s.name for s in shapes}) != len(shapes):
+        raise BenchError(f"shapes {text!r} repeat one")
+    return shapes

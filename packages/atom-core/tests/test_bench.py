@@ -1,0 +1,145 @@
+"""`atom bench`: option parsing, prompts, the engines' environments, the report, and one
+tiny end-to-end run of ATOM's engine on the CPU."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import sys
+
+import pytest
+
+from atom.bench.engines import ENGINES, engine_env, parse_engines
+from atom.bench.report import add_ratios, format_table, write_json
+from atom.bench.run import add_arguments, resolve
+from atom.bench.shapes import parse_shapes
+from atom.bench.workloads import BenchError, Workload, make_prompts, parse_workloads
+from atom.cli import main
+
+
+def test_parse_workloads_accepts_both_spellings():
+    assert parse_workloads("1x128->256, 256 x 512 -> 256,4x8x2") == [
+        Workload(1, 128, 256),
+        Workload(256, 512, 256),
+        Workload(4, 8, 2),
+    ]
+    assert Workload(1, 128, 256).name == "1x128->256"
+
+
+@pytest.mark.parametrize("text", ["", "1x128", "0x8->8", "ax1->2", "1x2->3,1x2->3", "1x2->-3"])
+def test_parse_workloads_rejects(text):
+    with pytest.raises(BenchError):
+        parse_workloads(text)
+
+
+def test_prompts_are_deterministic_and_in_range():
+    w = Workload(3, 40, 8)
+    a, b = make_prompts(w, 1000, seed=0), make_prompts(w, 1000, seed=0)
+    assert a == b and len(a) == 3 and all(len(p) == 40 for p in a)
+    assert all(100 <= t < 1000 for p in a for t in p)
+    assert make_prompts(w, 1000, seed=1) != a
+    assert make_prompts(Workload(3, 40, 9), 1000, seed=0) != a  # each workload its own
+
+
+def test_shapes_and_engines():
+    shape = parse_shapes("qwen3-30b-a3b:12")[0]
+    assert shape.num_layers == 12 and shape.architecture == "Qwen3MoeForCausalLM"
+    assert parse_shapes("qwen3-0.6b")[0].num_layers == 28
+    for bad in ("qwen3-9b", "qwen3-8b:0", "tiny,tiny"):
+        with pytest.raises(BenchError):
+            parse_shapes(bad)
+    assert [e.name for e in parse_engines("atom,vllm-atom")] == ["atom", "vllm-atom"]
+    with pytest.raises(BenchError, match="known: atom"):
+        parse_engines("atom,trt")
+
+
+def test_engine_env_switches_plugins(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/src")
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "1")
+    paths = {"vllm": "/tmp/site", "sglang": "/tmp/sgsite"}
+    own = engine_env(ENGINES["vllm"], paths, tmp_path)
+    assert own["PYTHONPATH"].split(":") == ["/tmp/site", "/src"]
+    assert own["ATOM_DISABLE_VLLM_PLUGIN"] == "1"
+    assert own["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    plugged = engine_env(ENGINES["vllm-atom"], paths, tmp_path)
+    assert "ATOM_DISABLE_VLLM_PLUGIN" not in plugged
+    site, shim, rest = plugged["PYTHONPATH"].split(":")
+    assert (site, rest) == ("/tmp/site", "/src")
+    # The shim makes the plugin's entry point visible to importlib.metadata.
+    monkeypatch.syspath_prepend(shim)
+    points = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert [(p.name, p.value) for p in points if p.name == "atom"] == [
+        ("atom", "atom_vllm:register")
+    ]
+    sglang = engine_env(ENGINES["sglang-atom"], paths, tmp_path)
+    assert sglang["PYTHONPATH"].startswith("/tmp/sgsite:")
+    assert engine_env(ENGINES["atom"], paths, tmp_path)["PYTHONPATH"] == "/src"
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_resolve_rejects_bad_options(tmp_path):
+    cases = {
+        "--baseline": ["--engines", "atom", "--baseline", "vllm"],
+        "--max-model-len": ["--max-model-len", "100", "--workloads", "1x100->10"],
+        "is not a directory": ["--vllm-path", str(tmp_path / "missing")],
+        "KEY=VALUE": ["--atom-option", "enforce_eager"],
+        "--device": ["--device", "tpu"],
+    }
+    for message, argv in cases.items():
+        with pytest.raises(BenchError, match=message):
+            resolve(_args(argv))
+    args = _args(["--engines", "atom,vllm", "--atom-option", "max_num_seqs=64"])
+    resolve(args)
+    assert args.baseline == "vllm" and args.max_model_len == 2048
+    assert args.host_options["atom"] == {"max_num_seqs": 64}
+
+
+def _result(engine, workload, rate):
+    w = parse_workloads(workload)[0]
+    return dict(
+        shape="s",
+        engine=engine,
+        workload=w.name,
+        num_prompts=w.num_prompts,
+        input_len=w.input_len,
+        output_len=w.output_len,
+        output_tok_s=rate,
+        total_tok_s=rate * 3,
+    )
+
+
+def test_report_ratios_table_and_json(tmp_path):
+    results = [
+        _result("vllm", "1x8->4", 100.0),
+        _result("atom", "1x8->4", 125.0),
+        _result("atom", "2x8->4", 50.0),  # no baseline figure for this workload
+        dict(_result("vllm", "2x8->4", 0.0), error="no result"),
+    ]
+    del results[3]["output_tok_s"], results[3]["total_tok_s"]
+    add_ratios(results, "vllm")
+    assert [r["ratio"] for r in results] == [1.0, 1.25, None, None]
+    table = format_table(results, "vllm").splitlines()
+    assert "ratio vs vllm" in table[0] and len(table) == 6
+    assert table[3].split()[-3:] == ["125.0", "375.0", "1.250"]
+    assert "failed" in table[5]
+    write_json(tmp_path / "b.json", {"seed": 0}, results)
+    assert json.loads((tmp_path / "b.json").read_text())["results"][1]["ratio"] == 1.25
+
+
+def test_atom_bench_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ":".join(p for p in sys.path if p))
+    out = tmp_path / "out"
+    argv = ["bench", "--engines", "atom", "--shapes", "tiny", "--workloads", "2x8->4"]
+    argv += ["--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(out)]
+    main(argv)
+    printed = capsys.readouterr().out
+    assert "tiny / atom: 2x8->4:" in printed and "ratio vs atom" in printed
+    (result,) = json.loads((out / "bench.json").read_text())["results"]
+    assert result["output_tokens"] == 8 and result["short_outputs"] == 0
+    assert result["ratio"] == 1.0 and result["output_tok_s"] > 0
