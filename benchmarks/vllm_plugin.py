@@ -1,20 +1,23 @@
-"""vLLM with atom-vllm vs vLLM alone on a GPU: greedy equality with CUDA graphs, throughput.
+"""vLLM with atom-vllm vs vLLM alone on a GPU: greedy equality with CUDA graphs.
 
-    python benchmarks/vllm_plugin.py equality   [--out DIR]   # tiny fp32 Llama/Qwen3
-    python benchmarks/vllm_plugin.py throughput [--out DIR]   # Qwen3-0.6B shape, bf16
+    python benchmarks/vllm_plugin.py equality [--out DIR]   # tiny fp32 Llama/Qwen3
+
+Throughput is `atom bench --engines vllm,vllm-atom` (atom/bench), which also runs the
+native engine and SGLang on the same checkpoints and prompts.
 
 Checkpoints, job files and engine logs go to --work (default /tmp/atom-vllm-bench);
 --out gets one JSON summary and a tar.gz of the logs.
 
 Each engine runs in its own process (`engine` subcommand), with the plugin on
-("atom") or off ("vllm": ATOM_DISABLE_VLLM_PLUGIN=1), same checkpoint, same prompts
-(random token ids, ignore_eos). Lines starting with RESULT carry the figures; JSON goes
-to --out. Checkpoints have random weights written here with transformers.
+("atom") or off ("vllm"), in the environment `atom bench` gives those engines (the
+plugin's entry point comes from a shim, so a source checkout on PYTHONPATH is enough),
+same checkpoint, same prompts (random token ids, ignore_eos). Lines starting with RESULT
+carry the figures; JSON goes to --out. Checkpoints have random weights written here with
+transformers.
 
-equality: CUDA graphs on (enforce_eager=False; no torch.compile, FULL_DECODE_ONLY graphs,
-so both sides capture their decode steps), prefix caching, chunked prefill (48-token
-budget); ATOM's kernels are Triton there (the kernel policy's choice on CUDA).
-throughput: each side with vLLM's default compilation / CUDA-graph settings.
+CUDA graphs on (enforce_eager=False; no torch.compile, FULL_DECODE_ONLY graphs, so both
+sides capture their decode steps), prefix caching, chunked prefill (48-token budget);
+ATOM's kernels are Triton there (the kernel policy's choice on CUDA).
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ import tarfile
 import time
 from pathlib import Path
 
+from atom.bench.engines import ENGINES, engine_env
+
 RESULT = "ENGINE_RESULT "
-MODES = {"atom": {}, "vllm": {"ATOM_DISABLE_VLLM_PLUGIN": "1"}}
+MODES = {"atom": ENGINES["vllm-atom"], "vllm": ENGINES["vllm"]}
 
 
 # ---------------------------------------------------------------- one engine (subprocess)
@@ -67,15 +72,8 @@ def run_engine(job: dict) -> dict:
 
 
 def engine(job: dict, mode: str, work: Path, name: str) -> dict:
-    env = {
-        **os.environ,
-        **MODES[mode],
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-        "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    }
-    if mode == "atom":
-        env.pop("ATOM_DISABLE_VLLM_PLUGIN", None)
+    env = engine_env(MODES[mode], {}, work)
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function
     job_file = work / f"{name}.{mode}.json"
     job_file.write_text(json.dumps(job))
     t = time.perf_counter()
@@ -195,63 +193,12 @@ def equality(work: Path, summary: dict) -> bool:
     return ok
 
 
-# ---------------------------------------------------------------- throughput
-
-QWEN3_06B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rope_theta=1000000,
-    tie_word_embeddings=True,
-)
-
-
-def throughput(work: Path, workloads, summary: dict) -> None:
-    model = write_checkpoint(work / "qwen3-0.6b-rand", "Qwen3ForCausalLM", QWEN3_06B, "bfloat16")
-    rounds = []
-    for n, isl, osl in workloads:
-        ps = prompts([isl] * n, n + isl, 150000)
-        rounds.append({"name": f"warm-{n}x{isl}", "prompts": ps[: min(n, 8)], "max_tokens": 8})
-        rounds.append({"name": f"{n}x{isl}->{osl}", "prompts": ps, "max_tokens": osl})
-    engine_kw = dict(
-        skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.85
-    )
-    job = {"model": str(model), "engine": engine_kw, "rounds": rounds}
-    res = {}
-    for mode in ("vllm", "atom"):
-        res[mode] = engine(job, mode, work, "tput")
-    summary["throughput"] = {
-        m: {k: v for k, v in r.items() if k != "rounds"} for m, r in res.items()
-    }
-    for n, isl, osl in workloads:
-        name = f"{n}x{isl}->{osl}"
-        rates = {}
-        for mode, r in res.items():
-            if r.get("failed"):
-                continue
-            gen = sum(len(o["token_ids"]) for o in r["rounds"][name])
-            rates[mode] = gen / r["round_s"][name]
-            print(
-                f"RESULT throughput {mode} {name} out_tok_s={rates[mode]:.1f} "
-                f"init_s={r['init_s']:.1f} cudagraph_mode={r['cudagraph_mode']}",
-                flush=True,
-            )
-        if len(rates) == 2:
-            print(f"RESULT throughput ratio atom/vllm {name} = {rates['atom'] / rates['vllm']:.3f}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["equality", "throughput", "engine"])
+    parser.add_argument("what", choices=["equality", "engine"])
     parser.add_argument("job", nargs="?")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--work", default="/tmp/atom-vllm-bench")
-    parser.add_argument("--workloads", default="1x128x256,256x512x256")
     args = parser.parse_args()
     if args.what == "engine":
         print(RESULT + json.dumps(run_engine(json.loads(Path(args.job).read_text()))), flush=True)
@@ -262,11 +209,7 @@ def main() -> None:
     summary: dict = {}
     ok = True
     try:
-        if args.what == "equality":
-            ok = equality(work, summary)
-        else:
-            workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
-            throughput(work, workloads, summary)
+        ok = equality(work, summary)
     finally:
         (out_dir / f"vllm_plugin_{args.what}.json").write_text(json.dumps(summary))
         with tarfile.open(out_dir / f"vllm_plugin_{args.what}_logs.tar.gz", "w:gz") as tar:
