@@ -57,6 +57,7 @@ def main() -> None:
         "block_n": [32, 64, 128],
         "num_warps": [4, 8],
         "num_stages": [2, 3, 4],
+        "warp_specialize": [False, True],
     }
     for config, (label, batch, length) in [
         (pa.PREFILL_CONFIG, ("prefill 16x2048", 16, 2048)),

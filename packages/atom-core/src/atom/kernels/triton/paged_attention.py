@@ -21,8 +21,12 @@ from atom.kernels.policy import register
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 DECODE_TARGET_PROGRAMS = 512
 MAX_DECODE_SPLITS = 16
-PREFILL_CONFIG = {"rows": 128, "block_n": 32, "num_warps": 4, "num_stages": 2}
-LONG_PREFILL_CONFIG = {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 4}
+PREFILL_CONFIG = {
+    "rows": 128, "block_n": 32, "num_warps": 4, "num_stages": 2, "warp_specialize": False,
+}  # fmt: skip
+LONG_PREFILL_CONFIG = {
+    "rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 4, "warp_specialize": False,
+}  # fmt: skip
 LONG_PREFILL_TOKENS = 4096
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -90,6 +94,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0) + seq_offset
     kv_head = tl.program_id(1)
@@ -129,7 +134,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M * GROUP], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP, BLOCK_DV], tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * bt_stride
-    for start in range(kv_start, full_end, BLOCK_N):
+    for start in tl.range(kv_start, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, start, kv_end, q_pos, window,
             k_cache_ptr, v_cache_ptr, table_row, kv_head,
@@ -326,6 +331,7 @@ def prefill_attention(
         BLOCK_M=block_m, GROUP=group_block, BLOCK_N=config["block_n"],
         BLOCK_D=args["BLOCK_D"], BLOCK_DV=args["BLOCK_DV"],
         USE_SOFT_CAP=args["USE_SOFT_CAP"], USE_WINDOW=args["USE_WINDOW"], PRECISION=args["PRECISION"],
+        WARP_SPECIALIZE=config["warp_specialize"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
 
