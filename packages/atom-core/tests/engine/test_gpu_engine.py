@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from atom import LLM, SamplingParams
 from atom.kernels.policy import selected_backend
-from tests.models.harness import check_greedy_generation, write_checkpoint
+from tests.models.harness import check_greedy_generation, make_prompts, write_checkpoint
 from tests.models.test_deepseek import CASES as DEEPSEEK_CASES
 from tests.models.test_llama import CASES as DENSE_CASES
 from tests.models.test_moe_models import CASES as MOE_CASES
@@ -32,3 +33,38 @@ def test_gpu_greedy_matches_hf(tmp_path, name, enforce_eager):
         enforce_eager=enforce_eager,
         max_num_seqs=8,
     )
+
+
+def test_gpu_graph_batches_equal_eager_and_seeds_reproduce(tmp_path):
+    """Decode graphs padded to captured sizes (37 sequences -> 48, then fewer as they
+    finish at different lengths) give eager's tokens; seeded sampling on the device
+    repeats itself."""
+    folder = write_checkpoint(CASES["qwen3-gqa2-tied"], tmp_path, init_std=0.1)
+    prompts = make_prompts(256, [3 + (7 * i) % 40 for i in range(37)], seed=4)
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 + i % 13, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            device="cuda",
+            skip_tokenizer_init=True,
+            enforce_eager=eager,
+            max_num_seqs=64,
+            kv_cache_memory_bytes=64 << 20,
+        )
+        assert (llm.engine.executor.runner.decode_graphs is None) == eager
+        runs[eager] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+        seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)
+        first, second = (
+            llm.generate(prompts[:3], seeded, use_tqdm=False)[0].outputs[0].token_ids
+            for _ in range(2)
+        )
+        assert first == second
+        del llm
+    assert runs[True] == runs[False]

@@ -61,3 +61,20 @@ def test_short_block_table_is_an_error():
     else:
         raise AssertionError("expected a ValueError")
     assert np.array_equal(build_step_arrays([StepInput([1], 3, [7])], BLOCK).slot_mapping, [31])
+
+
+def test_staged_buffers_views_and_partial_upload():
+    from atom.engine.staged_buffers import StagedBuffers
+
+    buffers = StagedBuffers(
+        {"ids": (torch.int64, (5,)), "lens": (torch.int32, (5,)), "table": (torch.int32, (5, 3))},
+        "cpu",
+    )
+    host = buffers.host()
+    host["ids"][:] = [1, 2, 3, 4, 5]
+    host["lens"][:] = 7
+    host["table"][:] = np.arange(15).reshape(5, 3)
+    buffers.upload(buffers.end_of("table", 2))
+    device = buffers.device
+    assert device["ids"].tolist() == [1, 2, 3, 4, 5] and device["lens"].tolist() == [7] * 5
+    assert device["table"].tolist() == [[0, 1, 2], [3, 4, 5]] + [[0, 0, 0]] * 3
