@@ -161,11 +161,12 @@ def _row_scale(scale: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, int
     return rows, rows.stride(0), (rows.stride(1) if rows.shape[1] > 1 else 0)
 
 
-def _launch_gemm(a, a_scale, w, w_scale, out, routing_weights, aligned, cfg, block_size, **kw):
+def _launch_gemm(
+    a, a_scale, w, w_scale, out, aligned, cfg, block_size, *, gated, a_row_div, routing_weights=None
+):
     sorted_rows, block_expert = aligned
     w = w if w.stride(-1) == 1 else w.contiguous()
     num_experts, n_total, k = w.shape
-    gated = kw["gated"]
     n = n_total // 2 if gated else n_total
     if w_scale is None:
         scales, w_scale, s_strides = NO_SCALE, w, (0, 0, 0)
@@ -183,7 +184,7 @@ def _launch_gemm(a, a_scale, w, w_scale, out, routing_weights, aligned, cfg, blo
         out.shape[0], num_experts, n, k, max_blocks, n if gated else 0,
         a.stride(0), 0 if a_scale is None else a_scale.stride(0), w.stride(0), w.stride(1),
         *s_strides, out.stride(0),
-        A_ROW_DIV=kw["a_row_div"], GATED=gated, APPLY_WEIGHT=routing_weights is not None,
+        A_ROW_DIV=a_row_div, GATED=gated, APPLY_WEIGHT=routing_weights is not None,
         SCALES=scales, GROUP_N=group_n, GROUP_K=group_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -210,24 +211,25 @@ def fused_moe_triton(
     out = torch.empty(num_tokens, top_k, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0:
         return out.sum(1)
+    if w13.dtype == FP8_DTYPE and w13_scale is None:
+        raise ValueError("FP8 experts need their weight scales")
     fp8_block = block_size is not None
-    if fp8_block and block_size[1] % 128:
-        raise ValueError(f"FP8 block MoE needs K blocks of a multiple of 128, got {block_size}")
     cfg = config or pick_config(
         num_tokens * top_k, num_experts, inter, hidden.dtype, fp8_block, hidden.device
     )
+    if fp8_block and block_size[1] % cfg.block_k:
+        # The K loop applies one scale per step.
+        raise ValueError(f"FP8 block MoE: K tile {cfg.block_k} must divide {block_size[1]}")
     aligned = align_to_experts(topk_ids, num_experts, cfg.block_m)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-    if w13.dtype == FP8_DTYPE and w13_scale is None:
-        raise ValueError("FP8 experts need their weight scales")
     a, a_scale = _activations(hidden, block_size)
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     _launch_gemm(
-        a, a_scale, w13, w13_scale, act, None, aligned, cfg, block_size, gated=True, a_row_div=top_k
+        a, a_scale, w13, w13_scale, act, aligned, cfg, block_size, gated=True, a_row_div=top_k
     )
     a, a_scale = _activations(act, block_size)
     _launch_gemm(
-        a, a_scale, w2, w2_scale, out.view(-1, w2.shape[1]), topk_weights.reshape(-1),
-        aligned, cfg, block_size, gated=False, a_row_div=1,
+        a, a_scale, w2, w2_scale, out.view(-1, w2.shape[1]), aligned, cfg, block_size,
+        gated=False, a_row_div=1, routing_weights=topk_weights.reshape(-1),
     )  # fmt: skip
     return out.sum(1)
