@@ -101,25 +101,24 @@ def _grouped_topk_kernel(
             group_score = best
         groups = tl.arange(0, BLOCK_G)[None, :]
         group_score = tl.where(groups < NUM_GROUPS, group_score, float("-inf"))
-        kept = tl.zeros((BLOCK_T, BLOCK_G), tl.int1)
+        kept = tl.zeros((BLOCK_T, BLOCK_G), tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
             top = tl.max(group_score, axis=1)
             g = tl.min(tl.where(group_score == top[:, None], groups, BLOCK_G), axis=1)
-            kept = kept | (groups == g[:, None])
+            kept = tl.where(groups == g[:, None], 1, kept)
             group_score = tl.where(groups == g[:, None], float("-inf"), group_score)
-        choice = tl.where(kept[:, :, None], choice, float("-inf"))
+        choice = tl.where(kept[:, :, None] != 0, choice, float("-inf"))
     # Flatten [T, G, E/G] to [T, G * E/G] for the final top-k; padding gets no expert id.
-    flat: tl.constexpr = (BLOCK_T, BLOCK_G * BLOCK_EG)
-    no_expert: tl.constexpr = NUM_GROUPS * GROUP_SIZE
-    expert = tl.reshape(tl.broadcast_to(tl.where(valid, expert, no_expert), choice.shape), flat)
-    choice = tl.reshape(choice, flat)
-    scores = tl.reshape(scores, flat)
+    expert = tl.where(valid, expert, NUM_GROUPS * GROUP_SIZE)
+    expert = tl.reshape(tl.broadcast_to(expert, choice.shape), (BLOCK_T, BLOCK_G * BLOCK_EG))
+    choice = tl.reshape(choice, (BLOCK_T, BLOCK_G * BLOCK_EG))
+    scores = tl.reshape(scores, (BLOCK_T, BLOCK_G * BLOCK_EG))
     k_cols = tl.arange(0, BLOCK_K)
     sel_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     sel_ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
     for slot in tl.static_range(TOP_K):
         choice, sel_w, sel_ids = _take_top(
-            choice, expert, scores, sel_w, sel_ids, slot, k_cols, no_expert
+            choice, expert, scores, sel_w, sel_ids, slot, k_cols, NUM_GROUPS * GROUP_SIZE
         )
     if RENORMALIZE:
         sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)
