@@ -132,9 +132,12 @@ class LLMEngine:
         plan = _StepPlan(batch.seqs, batch.num_new_tokens)
         logits = self.executor.execute(plan.inputs, plan.rows)
         block_manager = self.block_manager
+        hashing = block_manager.enable_prefix_caching
+        block_size = block_manager.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            block_manager.register_full_blocks(seq)
+            if hashing and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
+                block_manager.register_full_blocks(seq)
         for seq, first, last, row in plan.prompt_logprobs:
             rows = logits[row : row + last - first]
             targets = seq.token_ids[first + 1 : last + 1]
@@ -170,7 +173,7 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        new_chars = len(self.detokenizer.update(seq))
+        new_chars = len(self.detokenizer.update(seq)) if params.detokenize else 0
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
@@ -243,7 +246,7 @@ class _StepPlan:
                 if first < last:
                     self.prompt_logprobs.append((seq, first, last, len(self.rows)))
                     self.rows += range(offset + first - start, offset + last - start)
-            if start + n == seq.num_tokens:
+            if start + n == len(seq.token_ids):
                 self.sample_rows.append(len(self.rows))
                 self.rows.append(offset + n - 1)
                 self.samples.append(seq)

@@ -46,9 +46,11 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted while making room for an earlier sequence
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, n):
-                continue
-            self.block_manager.allocate(seq, n)
+            # Most decode steps fit the sequence's last page: no allocation at all.
+            if self.block_manager.blocks_needed(seq, n):
+                if not self._make_room(seq, n):
+                    continue
+                self.block_manager.allocate(seq, n)
             chosen.append((seq, n))
             budget -= n
         # After a preemption the pool is full: admitting now would only preempt again.
