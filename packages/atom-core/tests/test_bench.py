@@ -143,3 +143,21 @@ def test_atom_bench_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     (result,) = json.loads((out / "bench.json").read_text())["results"]
     assert result["output_tokens"] == 8 and result["short_outputs"] == 0
     assert result["ratio"] == 1.0 and result["output_tok_s"] > 0
+
+
+def test_a_failing_engine_is_reported_and_fails_the_command(tmp_path, capsys, monkeypatch):
+    """A broken host (here a stand-in vllm package that cannot import) leaves an error row
+    in the JSON, its log tail on screen, and a non-zero exit."""
+    fake = tmp_path / "fake-site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('stand-in vllm for the test')\n")
+    monkeypatch.setenv("PYTHONPATH", ":".join(p for p in sys.path if p))
+    out = tmp_path / "out"
+    argv = ["bench", "--engines", "vllm", "--shapes", "tiny", "--workloads", "1x8->4"]
+    argv += ["--device", "cpu", "--vllm-path", str(fake.parent)]
+    argv += ["--work", str(tmp_path / "work"), "--out", str(out)]
+    with pytest.raises(SystemExit, match="some runs failed"):
+        main(argv)
+    assert "stand-in vllm for the test" in capsys.readouterr().out
+    (result,) = json.loads((out / "bench.json").read_text())["results"]
+    assert "error" in result and "output_tok_s" not in result

@@ -81,9 +81,11 @@ def _bench(args: argparse.Namespace) -> None:
     from atom.bench.workloads import BenchError
 
     try:
-        run_bench(args)
+        results = run_bench(args)
     except BenchError as exc:
         args.parser.error(str(exc))
+    if any("error" in r for r in results):
+        raise SystemExit("atom bench: some runs failed; see their logs above")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--work",
         default=str(Path.home() / ".cache" / "atom-bench"),
         help="cached checkpoints, job files and engine logs",
+    )
+    parser.add_argument(
+        "--delete-checkpoints",
+        action="store_true",
+        help="delete each shape's checkpoint after its runs (for small disks)",
     )
     parser.add_argument(
         "--timeout", type=float, default=3600, help="seconds per engine and shape (default 3600)"
@@ -261,6 +267,8 @@ def main(args: argparse.Namespace) -> list[dict]:
         folder = ensure_checkpoint(shape, work, clock)
         for spec in args.engine_list:
             results += run_engine(spec, shape, folder, args, clock)
+        if args.delete_checkpoints:
+            shutil.rmtree(folder)
     add_ratios(results, args.baseline)
     settings = {
         k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))
