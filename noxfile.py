@@ -65,6 +65,34 @@ def tests_vllm(session: nox.Session) -> None:
     )  # fmt: skip
 
 
+# SGLang 0.5.17's CPU engine: its plain-Python dependencies (the wheel itself pins CUDA
+# packages and torch 2.11, so it is installed without dependencies).
+SGLANG_DEPS = (
+    "numpy", "orjson", "psutil", "pybase64", "requests", "packaging", "pillow", "starlette",
+    "msgspec", "pydantic", "pyzmq", "tqdm", "ipython", "aiohttp", "uvloop", "dill",
+    "apache-tvm-ffi==0.1.11", "sentencepiece", "compressed-tensors", "gguf", "openai==2.6.1",
+    "partial_json_parser", "uvicorn", "fastapi", "setproctitle", "einops", "safetensors",
+)  # fmt: skip
+# Imported by SGLang but coupled to torch: installed without dependencies.
+SGLANG_NO_DEPS = ("sglang==0.5.17", "triton==3.6.0", "torchvision==0.28.0", "xgrammar==0.2.1")
+
+
+@nox.session(python="3.11")
+def tests_sglang(session: nox.Session) -> None:
+    """atom-sglang against SGLang 0.5.17's CPU engine on torch 2.13.0+cpu.
+
+    The run-time workarounds (stub sgl_kernel, torchvision op schemas, the CPU engine
+    switch) live in packages/atom-sglang/tests/sglang_cpu_support.py.
+    """
+    session.install(TORCH, TRANSFORMERS, *SGLANG_DEPS, "pytest")
+    session.install("--no-deps", *SGLANG_NO_DEPS)
+    session.install("--no-deps", *editable(CORE), *editable(ROOT / "packages" / "atom-sglang"))
+    session.run(
+        "pytest", str(ROOT / "packages" / "atom-sglang" / "tests"), *session.posargs,
+        env={"PYTHONHASHSEED": "0"},
+    )  # fmt: skip
+
+
 @nox.session(python="3.11")
 def build(session: nox.Session) -> None:
     session.install("build", "twine")

@@ -11,7 +11,8 @@ that load plugins (the engine's main process and each scheduler). It
 
 The same classes are an SGLang external model package without the plugin:
 `SGLANG_EXTERNAL_MODEL_PACKAGE=atom_sglang.models`. `ATOM_DISABLE_SGLANG_PLUGIN=1`
-turns the plugin off (SGLang then runs its own models and has no "atom" backend).
+turns the plugin off (SGLang then runs its own models and has no "atom" backend);
+`ATOM_SGLANG_BACKEND_ONLY=1` registers only the backend (SGLang's own models on it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 __version__ = "0.1.0"
 
 DISABLE_ENV = "ATOM_DISABLE_SGLANG_PLUGIN"
+BACKEND_ONLY_ENV = "ATOM_SGLANG_BACKEND_ONLY"  # "1": the "atom" backend, SGLang's models
 BACKEND_NAME = "atom"
 
 logger = logging.getLogger("sglang.atom_sglang")
@@ -31,8 +33,12 @@ logger = logging.getLogger("sglang.atom_sglang")
 _registered: list[str] | None = None
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
 def plugin_disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes")
+    return _env_flag(DISABLE_ENV)
 
 
 def _say(message: str, *args: object, level: int = logging.INFO, exc_info: bool = False) -> None:
@@ -98,7 +104,7 @@ def register() -> None:
     try:
         from atom_sglang.patches import apply_patches
 
-        archs = served_architectures()
+        archs = [] if _env_flag(BACKEND_ONLY_ENV) else served_architectures()
         register_attention_backend()
         register_models(archs)
         patched = apply_patches()

@@ -1,0 +1,316 @@
+"""SGLang with atom-sglang vs SGLang alone on a GPU: greedy equality with CUDA graphs, throughput.
+
+    export PYTHONPATH=/tmp/sgsite            # SGLang 0.5.17 staged (shared/GPU.md)
+    python benchmarks/sglang_plugin.py equality   [--out DIR]   # tiny fp32 Llama/Qwen3
+    python benchmarks/sglang_plugin.py throughput [--out DIR]   # Qwen3-0.6B shape, bf16
+
+Checkpoints, job files and engine logs go to --work (default /tmp/atom-sglang-bench);
+--out gets one JSON summary and a tar.gz of the logs. Lines starting with RESULT carry
+the figures.
+
+Each engine runs in its own process (`engine` subcommand), same checkpoint, same prompts
+(random token ids, ignore_eos, greedy), `sampling_backend="pytorch"`, CUDA graphs on:
+* "atom": the plugin on, ATOM's model, `attention_backend="atom"` (ATOM's Triton kernels,
+  the kernel policy's choice on CUDA);
+* "sglang": `ATOM_DISABLE_SGLANG_PLUGIN=1`, SGLang's own model, `attention_backend="triton"`.
+equality also compares with HF transformers' greedy tokens on the GPU (fp32).
+
+No pip on the GPU machine: the atom packages are source folders on PYTHONPATH, and the
+plugin's `sglang.srt.plugins` entry point is made visible by writing a minimal
+`atom_sglang-<version>.dist-info` (METADATA + entry_points.txt, read from atom-sglang's
+pyproject.toml) into a folder that is put on the engines' PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = [ROOT / "packages" / "atom-core" / "src", ROOT / "packages" / "atom-sglang" / "src"]
+RESULT = "ENGINE_RESULT "
+MODES = {
+    "atom": ({"attention_backend": "atom"}, {}),
+    "sglang": ({"attention_backend": "triton"}, {"ATOM_DISABLE_SGLANG_PLUGIN": "1"}),
+}
+
+
+# ---------------------------------------------------------------- one engine (subprocess)
+
+
+def run_engine(job: dict) -> dict:
+    import sglang
+
+    started = time.perf_counter()
+    llm = sglang.Engine(model_path=job["model"], **job["engine"])
+    out = {"init_s": time.perf_counter() - started, "rounds": {}, "round_s": {}}
+    try:
+        for spec in job["rounds"]:
+            params = {"temperature": 0.0, "max_new_tokens": spec["max_tokens"], "ignore_eos": True}
+            t = time.perf_counter()
+            outputs = llm.generate(input_ids=spec["prompts"], sampling_params=params)
+            out["round_s"][spec["name"]] = time.perf_counter() - t
+            out["rounds"][spec["name"]] = [
+                {"token_ids": o["output_ids"], "cached_tokens": o["meta_info"]["cached_tokens"]}
+                for o in outputs
+            ]
+    finally:
+        llm.shutdown()
+    return out
+
+
+def plugin_site(work: Path) -> Path:
+    """A folder holding atom-sglang's dist-info, so importlib.metadata finds its entry point."""
+    project = tomllib.loads((ROOT / "packages/atom-sglang/pyproject.toml").read_text())["project"]
+    info = work / "plugin-site" / f"atom_sglang-{project['version']}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n"
+    )
+    lines = ["[sglang.srt.plugins]"]
+    lines += [f"{k} = {v}" for k, v in project["entry-points"]["sglang.srt.plugins"].items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return info.parent
+
+
+def engine(job: dict, mode: str, work: Path, name: str) -> dict:
+    engine_kw, mode_env = MODES[mode]
+    env = {k: v for k, v in os.environ.items() if k != "ATOM_DISABLE_SGLANG_PLUGIN"}
+    paths = [plugin_site(work), *SOURCES, *filter(None, env.get("PYTHONPATH", "").split(":"))]
+    env.update(mode_env, PYTHONPATH=":".join(map(str, paths)))
+    job = {**job, "engine": {**job["engine"], **engine_kw}}
+    job_file = work / f"{name}.{mode}.json"
+    job_file.write_text(json.dumps(job))
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, "engine", str(job_file)], env=env, capture_output=True, text=True
+    )
+    log = proc.stdout + proc.stderr
+    (work / f"{name}.{mode}.log").write_text(log)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
+    if proc.returncode or not lines:
+        print(f"RESULT {name} {mode} FAILED rc={proc.returncode}\n{log[-4000:]}", flush=True)
+        return {"failed": True}
+    result = json.loads(lines[-1][len(RESULT) :])
+    result["wall_s"] = time.perf_counter() - t
+    result["atom_model"] = "built for SGLang" in log
+    result["atom_backend_ran"] = "ATOM attention backend: first attention call" in log
+    result["cuda_graph_captured"] = "CUDA graph end" in log  # SGLang's capture log line
+    return result
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def write_checkpoint(folder: Path, arch: str, shape: dict, dtype: str, init_std=None) -> Path:
+    import torch
+    import transformers
+
+    if (folder / "config.json").exists():
+        return folder
+    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen3": transformers.Qwen3Config}
+    cfg = config_cls["Qwen3" if arch.startswith("Qwen3") else arch](**shape)
+    torch_dtype = getattr(torch, dtype)
+    cfg.dtype = torch_dtype
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+    if init_std:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, init_std)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def prompts(lengths, seed, vocab):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(model_dir: Path, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = hf.cuda().eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in batch:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                logits = hf(input_ids=torch.tensor([ids], device="cuda")).logits
+                ids.append(int(logits[0, -1].argmax()))
+            outputs.append(ids[len(prompt) :])
+    del hf
+    torch.cuda.empty_cache()
+    return outputs
+
+
+# ---------------------------------------------------------------- equality
+
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+def equality(work: Path, summary: dict) -> bool:
+    engine_kw = dict(
+        dtype="float32",
+        skip_tokenizer_init=True,
+        sampling_backend="pytorch",
+        mem_fraction_static=0.3,
+        context_length=512,
+        chunked_prefill_size=64,
+        cuda_graph_max_bs_decode=16,
+        random_seed=0,
+        log_level="info",
+    )
+    ok = True
+    for i, arch in enumerate(["LlamaForCausalLM", "Qwen3ForCausalLM"]):
+        model = write_checkpoint(work / f"tiny-{arch}", arch, TINY, "float32", 0.1)
+        prefix = prompts([48], 100 + i, 512)[0]
+        rounds = [
+            {"name": "batch", "prompts": prompts([3, 9, 21, 40, 75, 130], i, 512)},
+            {"name": "decode_batch", "prompts": prompts([5] * 8, 50 + i, 512)},
+            {"name": "prefix_warm", "prompts": [prefix + prompts([5], 7, 512)[0]]},
+            {"name": "prefix_reuse", "prompts": [prefix + s for s in prompts([1, 7, 20], 8, 512)]},
+        ]
+        for r in rounds:
+            r["max_tokens"] = 16
+        job = {"model": str(model), "engine": engine_kw, "rounds": rounds}
+        res = {m: engine(job, m, work, f"eq-{arch}") for m in MODES}
+        hf = {r["name"]: hf_greedy(model, r["prompts"], 16) for r in rounds}
+        summary[f"equality-{arch}"] = {**res, "hf": hf}
+        if any(r.get("failed") for r in res.values()):
+            ok = False
+            continue
+        tokens = {
+            m: {n: [o["token_ids"] for o in v] for n, v in r["rounds"].items()}
+            for m, r in res.items()
+        }
+        same_sglang = tokens["atom"] == tokens["sglang"]
+        same_hf = tokens["atom"] == hf
+        ran = res["atom"]["atom_model"] and res["atom"]["atom_backend_ran"]
+        ok &= same_sglang and same_hf and ran
+        cached = [o["cached_tokens"] for o in res["atom"]["rounds"]["prefix_reuse"]]
+        print(
+            f"RESULT equality {arch} atom_vs_sglang={same_sglang} atom_vs_hf={same_hf} "
+            f"sglang_vs_hf={tokens['sglang'] == hf} atom_model_and_backend_ran={ran} "
+            f"cuda_graphs={res['atom']['cuda_graph_captured']} cached={cached}",
+            flush=True,
+        )
+        for name in hf:
+            for j, (a, s, h) in enumerate(
+                zip(tokens["atom"][name], tokens["sglang"][name], hf[name])
+            ):
+                if not a == s == h:
+                    print(f"  {name}[{j}] atom={a} sglang={s} hf={h}")
+    return ok
+
+
+# ---------------------------------------------------------------- throughput
+
+QWEN3_06B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000,
+    tie_word_embeddings=True,
+)
+
+
+def throughput(work: Path, workloads, summary: dict) -> None:
+    model = write_checkpoint(work / "qwen3-0.6b-rand", "Qwen3ForCausalLM", QWEN3_06B, "bfloat16")
+    rounds = []
+    for n, isl, osl in workloads:
+        ps = prompts([isl] * n, n + isl, 150000)
+        rounds.append({"name": f"warm-{n}x{isl}", "prompts": ps[: min(n, 8)], "max_tokens": 8})
+        rounds.append({"name": f"{n}x{isl}->{osl}", "prompts": ps, "max_tokens": osl})
+    engine_kw = dict(
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        sampling_backend="pytorch",
+        mem_fraction_static=0.8,
+        context_length=2048,
+        random_seed=0,
+        log_level="info",
+    )
+    job = {"model": str(model), "engine": engine_kw, "rounds": rounds}
+    res = {mode: engine(job, mode, work, "tput") for mode in ("sglang", "atom")}
+    summary["throughput"] = {
+        m: {k: v for k, v in r.items() if k != "rounds"} for m, r in res.items()
+    }
+    for n, isl, osl in workloads:
+        name = f"{n}x{isl}->{osl}"
+        rates = {}
+        for mode, r in res.items():
+            if r.get("failed"):
+                continue
+            gen = sum(len(o["token_ids"]) for o in r["rounds"][name])
+            rates[mode] = gen / r["round_s"][name]
+            print(
+                f"RESULT throughput {mode} {name} out_tok_s={rates[mode]:.1f} "
+                f"init_s={r['init_s']:.1f} atom_model={r['atom_model']} "
+                f"atom_backend_ran={r['atom_backend_ran']}",
+                flush=True,
+            )
+        if len(rates) == 2:
+            ratio = rates["atom"] / rates["sglang"]
+            print(f"RESULT throughput ratio atom/sglang {name} = {ratio:.3f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["equality", "throughput", "engine"])
+    parser.add_argument("job", nargs="?")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--work", default="/tmp/atom-sglang-bench")
+    parser.add_argument("--workloads", default="1x128x256,256x512x256,1024x512x256")
+    args = parser.parse_args()
+    if args.what == "engine":
+        print(RESULT + json.dumps(run_engine(json.loads(Path(args.job).read_text()))), flush=True)
+        return
+    out_dir, work = Path(args.out), Path(args.work)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    summary: dict = {}
+    ok = True
+    try:
+        if args.what == "equality":
+            ok = equality(work, summary)
+        else:
+            workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
+            throughput(work, workloads, summary)
+    finally:
+        (out_dir / f"sglang_plugin_{args.what}.json").write_text(json.dumps(summary))
+        with tarfile.open(out_dir / f"sglang_plugin_{args.what}_logs.tar.gz", "w:gz") as tar:
+            for log in sorted(work.glob("*.log")):
+                tar.add(log, arcname=log.name)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

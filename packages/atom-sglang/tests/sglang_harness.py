@@ -1,0 +1,270 @@
+"""Helpers of the atom-sglang tests: tiny checkpoints, SGLang engine jobs, HF references.
+
+The end-to-end tests start real SGLang CPU engines: a few job processes in parallel (one
+per core), each running its engines one after another (`sglang_job.py`), in an
+environment prepared by `sglang_cpu_support.engine_env` (the CPU workarounds).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sglang_cpu_support
+
+HERE = Path(__file__).parent
+JOB_SCRIPT = HERE / "sglang_job.py"
+BEGIN_TAG = "ATOM_JOB_BEGIN "
+RESULT_TAG = "ATOM_JOB_RESULT "
+VOCAB = 512
+MAX_TOKENS = 8
+
+# --------------------------------------------------------------------------- checkpoints
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+_MLA = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=None,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "rope_theta": 10000.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+
+
+def tiny_config(architecture: str):
+    """A tiny random HF config of `architecture` (2 layers, vocab 512)."""
+    import transformers
+
+    configs = {
+        "LlamaForCausalLM": lambda: transformers.LlamaConfig(**_COMMON),
+        "Qwen3ForCausalLM": lambda: transformers.Qwen3Config(**_COMMON),
+        "Qwen3MoeForCausalLM": lambda: transformers.Qwen3MoeConfig(
+            **_COMMON,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        ),
+        "DeepseekV2ForCausalLM": lambda: transformers.DeepseekV2Config(**_MLA),
+        # V3: q-LoRA, group-limited routing with a scaling factor, yarn rope with mscale.
+        "DeepseekV3ForCausalLM": lambda: transformers.DeepseekV3Config(
+            **{**_MLA, "q_lora_rank": 48},
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters=_YARN,
+        ),
+        "GPT2LMHeadModel": lambda: transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512
+        ),
+    }
+    return configs[architecture]()
+
+
+def write_checkpoint(architecture: str, folder: Path, seed: int = 0, init_std: float = 0.1) -> Path:
+    """Saves a random fp32 model (safetensors + config.json); larger weights than HF's
+    0.02 init give fewer near-ties in the logits."""
+    import torch
+    import transformers
+
+    config = tiny_config(architecture)
+    config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, init_std)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+PREFIX_LEN = 48
+
+
+def rounds(seed: int) -> list[dict]:
+    """A mixed-length batch, then a shared prefix: warmed by one request, reused by three."""
+    prefix = make_prompts([PREFIX_LEN], seed + 1)[0]
+    suffixes = make_prompts([5, 1, 7, 20], seed + 2)
+    return [
+        {"name": "batch", "prompts": make_prompts([3, 9, 21, 40, 75, 130], seed)},
+        {"name": "prefix_warm", "prompts": [prefix + suffixes[0]]},
+        {"name": "prefix_reuse", "prompts": [prefix + s for s in suffixes[1:]]},
+    ]
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
+    """HF transformers' greedy tokens (a full forward per step, through EOS)."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            outputs.append(ids[len(prompt) :])
+    return outputs
+
+
+# --------------------------------------------------------------------------- engine jobs
+
+ENGINE = dict(
+    device="cpu",
+    dtype="float32",
+    skip_tokenizer_init=True,
+    disable_cuda_graph=True,
+    mem_fraction_static=0.05,
+    max_total_tokens=4096,
+    context_length=512,
+    chunked_prefill_size=64,
+    random_seed=0,
+    log_level="info",
+)
+
+
+@dataclass
+class Run:
+    """One SGLang engine (`sglang_job.py`): Engine kwargs, its env, rounds of prompts."""
+
+    name: str
+    model: Path
+    engine: dict[str, Any]
+    rounds: list[dict[str, Any]]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    name: str
+    rounds: dict[str, list[dict[str, Any]]]
+    log: str
+
+    def tokens(self) -> dict[str, list[list[int]]]:
+        return {name: [r["token_ids"] for r in outs] for name, outs in self.rounds.items()}
+
+
+class RunFailed(AssertionError):
+    pass
+
+
+def _run_job(runs: list[Run], workdir: Path, index: int, timeout: float) -> dict[str, Any]:
+    """One process running `runs` in turn; {run name: RunResult or RunFailed}."""
+    job_file = workdir / f"job{index}.json"
+    specs = [
+        {
+            "name": r.name,
+            "model": str(r.model),
+            "engine": r.engine,
+            "env": r.env,
+            "rounds": r.rounds,
+            "max_tokens": MAX_TOKENS,
+        }
+        for r in runs
+    ]
+    job_file.write_text(json.dumps(specs))
+    env = sglang_cpu_support.engine_env(workdir)
+    for name in ("ATOM_DISABLE_SGLANG_PLUGIN", "SGLANG_EXTERNAL_MODEL_PACKAGE"):
+        env.pop(name, None)
+    env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+    proc = subprocess.run(
+        [sys.executable, str(JOB_SCRIPT), str(job_file)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    (workdir / f"job{index}.log").write_text(proc.stdout)
+    results: dict[str, Any] = {}
+    name, lines = None, []
+    for line in proc.stdout.splitlines():
+        if line.startswith(BEGIN_TAG):
+            name, lines = line[len(BEGIN_TAG) :], []
+        elif line.startswith(RESULT_TAG):
+            data = json.loads(line[len(RESULT_TAG) :])
+            log = "\n".join(lines)
+            if "error" in data:
+                results[data["name"]] = RunFailed(f"{data['name']}: {data['error']}\n{log[-6000:]}")
+            else:
+                results[data["name"]] = RunResult(data["name"], data["rounds"], log)
+            name = None
+        elif name is not None:
+            lines.append(line)
+    for r in runs:
+        results.setdefault(
+            r.name, RunFailed(f"{r.name}: no result (rc={proc.returncode})\n{proc.stdout[-6000:]}")
+        )
+    return results
+
+
+def run_jobs(jobs: list[list[Run]], workdir: Path, timeout: float = 900) -> dict[str, Any]:
+    """Runs each job (a list of engine runs) in its own process, all jobs in parallel;
+    returns {run name: RunResult or the exception}, failures are not raised here."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(_run_job, runs, workdir, i, timeout) for i, runs in enumerate(jobs)]
+        for runs, future in zip(jobs, futures):
+            try:
+                results.update(future.result())
+            except Exception as exc:
+                results.update({r.name: exc for r in runs})
+    return results
+
+
+def result_of(results: dict[str, Any], name: str) -> RunResult:
+    value = results[name]
+    if isinstance(value, BaseException):
+        raise value
+    return value

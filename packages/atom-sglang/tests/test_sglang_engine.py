@@ -1,0 +1,123 @@
+"""SGLang 0.5.17's CPU engine with atom-sglang, end to end, on tiny random fp32 checkpoints.
+
+One engine per configuration, each serving every check of that configuration (a start
+costs 20-45 s here); all engines run in one module fixture, in two processes (plugin on /
+off) that start their engines one after another. For every SGLang-capable
+ATOM architecture: SGLang + ATOM (registry override, `attention_backend="atom"`) gives
+the same greedy tokens as HF transformers and as SGLang's own implementation, for a
+mixed-length batch and for requests reusing a cached prefix (chunked prefill: 64
+tokens). Also: the external-model-package route, the "atom" backend under SGLang's own
+Qwen3, `ATOM_DISABLE_SGLANG_PLUGIN=1`, and an architecture ATOM does not serve.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sglang_harness import ENGINE, PREFIX_LEN, Run, hf_greedy, result_of, rounds, run_jobs
+
+from atom.registry import get_entry
+from atom_sglang import served_architectures
+
+pytestmark = pytest.mark.slow
+
+ARCHS = [
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+]
+ATOM = {**ENGINE, "attention_backend": "atom"}
+STOCK = {**ENGINE, "attention_backend": "torch_native"}
+PLUGIN_OFF = {"ATOM_DISABLE_SGLANG_PLUGIN": "1"}
+# SGLang's own implementation of each architecture, the reference of the equality tests.
+# Qwen3's runs on ATOM's backend (so that job also covers "atom" under SGLang's models).
+REFERENCE = {arch: (STOCK, PLUGIN_OFF) for arch in ARCHS}
+REFERENCE["Qwen3ForCausalLM"] = (ATOM, {"ATOM_SGLANG_BACKEND_ONLY": "1"})
+EXTERNAL = {**PLUGIN_OFF, "SGLANG_EXTERNAL_MODEL_PACKAGE": "atom_sglang.models"}
+UNSUPPORTED = "GPT2LMHeadModel"
+
+
+def seed_of(arch: str) -> int:
+    return 10 * (ARCHS.index(arch) + 1) if arch in ARCHS else 99
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory):
+    def run(name: str, arch: str, engine: dict, env: dict | None = None) -> Run:
+        return Run(name, checkpoints(arch), engine, rounds(seed_of(arch)), env or {})
+
+    def reference(arch: str) -> Run:
+        engine, env = REFERENCE[arch]
+        return run(f"{arch}-sglang", arch, engine, env)
+
+    llama, qwen3, moe, v2, v3 = ARCHS
+    # Two processes (one per core), six engines each; DeepSeek references last.
+    jobs = [
+        [run(f"{a}-atom", a, ATOM) for a in (llama, moe, v3)]
+        + [reference(qwen3), run("external", qwen3, STOCK, EXTERNAL)]
+        + [run("unsupported", UNSUPPORTED, STOCK)],
+        [run(f"{a}-atom", a, ATOM) for a in (qwen3, v2)]
+        + [reference(a) for a in (llama, moe, v2, v3)],
+    ]
+    return run_jobs(jobs, tmp_path_factory.mktemp("sglang-jobs"))
+
+
+def assert_same(got, want, what: str) -> None:
+    for name, prompts in want.items():
+        assert got[name] == prompts, f"{what}, round {name!r}: {got[name]} != {prompts}"
+
+
+def hf_reference(checkpoints, arch: str) -> dict[str, list[list[int]]]:
+    return {s["name"]: hf_greedy(checkpoints(arch), s["prompts"]) for s in rounds(seed_of(arch))}
+
+
+def assert_prefix_cached(result) -> None:
+    cached = [r["cached_tokens"] for r in result.rounds["prefix_reuse"]]
+    assert all(c >= PREFIX_LEN for c in cached), f"prefix not reused: cached_tokens={cached}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_atom_equals_hf_and_sglang(runs, checkpoints, arch):
+    assert arch in served_architectures()
+    atom = result_of(runs, f"{arch}-atom")
+    assert_same(atom.tokens(), hf_reference(checkpoints, arch), f"SGLang+ATOM {arch} vs HF")
+    assert_same(atom.tokens(), result_of(runs, f"{arch}-sglang").tokens(), "ATOM vs SGLang")
+    assert_prefix_cached(atom)
+    # Proof that ATOM's model and ATOM's attention backend served the requests.
+    entry = get_entry(arch)
+    assert f"ATOM {arch} ({entry.class_path}) built for SGLang: 2 {entry.attention}" in atom.log
+    pool = "MLA" if entry.attention == "MLA" else "MHA"
+    assert f"ATOM attention backend: {pool} pool" in atom.log
+    assert "ATOM attention backend: first attention call" in atom.log
+
+
+def test_atom_backend_under_sglang_own_model(runs):
+    result = result_of(runs, "Qwen3ForCausalLM-sglang")
+    assert "ATOM attention backend: first attention call" in result.log
+    assert "built for SGLang" not in result.log  # SGLang's own Qwen3
+    assert "type=Qwen3ForCausalLM" in result.log
+    assert_prefix_cached(result)
+
+
+def test_disable_env_gives_plain_sglang(runs):
+    result = result_of(runs, "LlamaForCausalLM-sglang")
+    assert "ATOM_DISABLE_SGLANG_PLUGIN=1: ATOM plugin inactive" in result.log
+    assert "built for SGLang" not in result.log
+    assert "ATOM attention backend" not in result.log
+
+
+def test_external_model_package_route(runs, checkpoints):
+    """SGLANG_EXTERNAL_MODEL_PACKAGE without the plugin: ATOM's model on SGLang's backend."""
+    result = result_of(runs, "external")
+    assert "ATOM Qwen3ForCausalLM (atom.models.qwen3:Qwen3ForCausalLM) built" in result.log
+    assert "ATOM attention backend" not in result.log  # torch_native did the attention
+    assert_same(result.tokens(), hf_reference(checkpoints, "Qwen3ForCausalLM"), "external vs HF")
+    assert_prefix_cached(result)
+
+
+def test_unsupported_architecture_runs_sglang_own_class(runs, checkpoints):
+    result = result_of(runs, "unsupported")
+    assert "ATOM 0.1.0 serves" in result.log  # the plugin was active
+    assert "built for SGLang" not in result.log
+    assert_same(result.tokens(), hf_reference(checkpoints, UNSUPPORTED), "GPT-2 vs HF")

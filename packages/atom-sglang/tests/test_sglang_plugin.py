@@ -1,0 +1,292 @@
+"""Fast checks of the plugin's pieces in-process, without starting an SGLang engine."""
+
+from __future__ import annotations
+
+import logging
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.models.registry import ModelRegistry
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+import atom_sglang
+from atom.kernels.paged_attention import attention_mask, dense_attention
+from atom.registry import supported_architectures
+from atom_sglang import model as model_module
+from atom_sglang.adapters import adapter_for
+from atom_sglang.attention_layer import layer_index
+from atom_sglang.backend import AtomAttnBackend, atom_sliding_window, create_atom_backend
+from atom_sglang.patches import SUPPORT_TRITON
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """register() as in a new process; SGLang's registries restored afterwards."""
+    models = dict(ModelRegistry.models)
+    backends = dict(ATTENTION_BACKENDS)
+    monkeypatch.setattr(atom_sglang, "_registered", None)
+    for name in ("ATOM_DISABLE_SGLANG_PLUGIN", "ATOM_SGLANG_BACKEND_ONLY"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    ModelRegistry.models.clear()
+    ModelRegistry.models.update(models)
+    ATTENTION_BACKENDS.clear()
+    ATTENTION_BACKENDS.update(backends)
+    HookRegistry._hooks.pop(SUPPORT_TRITON, None)
+
+
+def logged(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+def test_register_serves_every_sglang_capable_architecture(fresh_plugin, caplog):
+    with caplog.at_level(logging.INFO, logger="sglang.atom_sglang"):
+        atom_sglang.register()
+    served = atom_sglang.served_architectures()
+    assert set(served) == set(supported_architectures("sglang"))
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM"} <= set(served)
+    for arch in served:
+        cls = ModelRegistry.models[arch]
+        assert cls is model_module.wrapper_class(arch) and cls.__name__ == arch
+        assert issubclass(cls, model_module.AtomForCausalLM)
+    assert ATTENTION_BACKENDS["atom"] is create_atom_backend
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    assert "atom" in ATTENTION_BACKEND_CHOICES
+    assert [t for t in HookRegistry._hooks if t == SUPPORT_TRITON]  # CPU engine only
+    assert "serves LlamaForCausalLM" in logged(caplog)
+
+
+def test_register_is_idempotent(fresh_plugin, monkeypatch):
+    atom_sglang.register()
+    calls = []
+    monkeypatch.setattr(atom_sglang, "register_models", lambda archs: calls.append(archs))
+    atom_sglang.register()
+    assert calls == [] and len(HookRegistry._hooks[SUPPORT_TRITON]) == 1
+
+
+def test_disable_env_leaves_sglang_untouched(fresh_plugin, monkeypatch, caplog):
+    before = dict(ModelRegistry.models)
+    ATTENTION_BACKENDS.pop("atom", None)
+    monkeypatch.setenv("ATOM_DISABLE_SGLANG_PLUGIN", "1")
+    with caplog.at_level(logging.INFO, logger="sglang.atom_sglang"):
+        atom_sglang.register()
+    assert dict(ModelRegistry.models) == before and "atom" not in ATTENTION_BACKENDS
+    assert "plugin inactive" in logged(caplog)
+
+
+def test_backend_only_env_keeps_sglang_models(fresh_plugin, monkeypatch):
+    before = dict(ModelRegistry.models)
+    monkeypatch.setenv("ATOM_SGLANG_BACKEND_ONLY", "1")
+    atom_sglang.register()
+    assert dict(ModelRegistry.models) == before and "atom" in ATTENTION_BACKENDS
+
+
+def test_register_never_raises(fresh_plugin, monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("registry exploded")
+
+    monkeypatch.setattr(atom_sglang, "served_architectures", broken)
+    before = dict(ModelRegistry.models)
+    atom_sglang.register()  # logs, does not raise
+    assert dict(ModelRegistry.models) == before
+    assert "register() failed" in logged(caplog)
+
+
+def test_register_logs_to_stderr_before_logging_is_configured(fresh_plugin, monkeypatch, capsys):
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    atom_sglang.register()
+    assert "serves LlamaForCausalLM" in capsys.readouterr().err
+
+
+def test_external_model_package_offers_every_served_architecture():
+    from atom_sglang.models import atom_models
+
+    names = sorted(cls.__name__ for cls in atom_models.EntryClass)
+    assert names == sorted(atom_sglang.served_architectures())
+
+
+def test_adapters_declare_pool_and_attention_kind():
+    from atom.registry import get_entry
+
+    assert adapter_for(get_entry("DeepseekV2ForCausalLM")).kv_pool == "mla"
+    assert adapter_for(get_entry("Qwen3ForCausalLM")).attention == "MHA"
+    assert layer_index("model.layers.11.self_attn.attn") == 11
+    with pytest.raises(ValueError):
+        layer_index("lm_head")
+    assert atom_sliding_window(-1) is None and atom_sliding_window(7) == 8
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+class FakePool:
+    """SGLang's pool interface over flat [slots, H, D] tensors (slot 0 = padding)."""
+
+    def __init__(self, slots, heads, dim, v_dim, page_size, mla_latent=None):
+        self.page_size = page_size
+        if mla_latent is not None:
+            self.kv_lora_rank = mla_latent
+            self.kv = torch.zeros(slots, 1, dim)
+        else:
+            self.k, self.v = torch.zeros(slots, heads, dim), torch.zeros(slots, heads, v_dim)
+
+    def get_key_buffer(self, layer_id):
+        return self.kv if hasattr(self, "kv_lora_rank") else self.k
+
+    def get_value_buffer(self, layer_id):
+        return self.kv[..., : self.kv_lora_rank] if hasattr(self, "kv_lora_rank") else self.v
+
+
+def make_batch(prefix_lens, new_lens, page_size, num_slots, seed=0):
+    """A req_to_token table with shuffled page-aligned slots and a ForwardBatch-like step."""
+    rng = random.Random(seed)
+    pages = list(range(1, num_slots // page_size))  # page 0 holds the padding slot
+    rng.shuffle(pages)
+    req_to_token = torch.zeros(8, 256, dtype=torch.int32)
+    rows = [3, 1, 5, 0, 6, 2][: len(prefix_lens)]
+    out_loc = []
+    for row, p, n in zip(rows, prefix_lens, new_lens):
+        table = [pages.pop() for _ in range(-(-(p + n) // page_size))]
+        slots = [table[i // page_size] * page_size + i % page_size for i in range(p + n)]
+        req_to_token[row, : p + n] = torch.tensor(slots, dtype=torch.int32)
+        out_loc += slots[p:]
+    seq = [p + n for p, n in zip(prefix_lens, new_lens)]
+    decode = all(n == 1 for n in new_lens) and all(p > 0 for p in prefix_lens)
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+        batch_size=len(seq),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(seq),
+        seq_lens_cpu=torch.tensor(seq),
+        out_cache_loc=torch.tensor(out_loc),
+        extend_seq_lens=torch.tensor(new_lens, dtype=torch.int32),
+        extend_seq_lens_cpu=list(new_lens),
+    )
+    return req_to_token, batch
+
+
+def make_backend(req_to_token, pool, page_size):
+    runner = SimpleNamespace(
+        device="cpu",
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        token_to_kv_pool=pool,
+        page_size=page_size,
+    )
+    return AtomAttnBackend(runner)
+
+
+def layer(hq, hkv, d, dv, window=-1, cap=0.0):
+    return SimpleNamespace(
+        layer_id=0, tp_q_head_num=hq, tp_k_head_num=hkv, tp_v_head_num=hkv, qk_head_dim=d,
+        v_head_dim=dv, scaling=d**-0.5, sliding_window_size=window, logit_cap=cap,
+        logit_capping_method="tanh",
+    )  # fmt: skip
+
+
+def history(prefix_lens, new_lens, heads, d, dv):
+    return [
+        (torch.randn(p + n, heads, d), torch.randn(p + n, heads, dv))
+        for p, n in zip(prefix_lens, new_lens)
+    ]
+
+
+def reference(q, hist, prefix_lens, new_lens, scale, window=None, cap=None):
+    outs, start = [], 0
+    for (k, v), p, n in zip(hist, prefix_lens, new_lens):
+        mask = attention_mask(torch.arange(p, p + n), p + n, window)
+        outs.append(dense_attention(q[start : start + n], k, v, mask, scale, cap))
+        start += n
+    return torch.cat(outs)
+
+
+def fill_prefixes(pool_k, pool_v, req_to_token, batch, hist, prefix_lens):
+    for row, (k, v), p in zip(batch.req_pool_indices.tolist(), hist, prefix_lens):
+        slots = req_to_token[row, :p].long()
+        pool_k[slots] = k[:p]
+        if pool_v is not None:
+            pool_v[slots] = v[:p]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(
+    "prefix_lens,new_lens,window",
+    [([0, 5, 17], [7, 3, 1], -1), ([9, 30, 2, 11], [1, 1, 1, 1], -1), ([0, 12], [20, 4], 5)],
+)
+def test_mha_backend_matches_dense_attention(page_size, prefix_lens, new_lens, window):
+    torch.manual_seed(0)
+    hq, hkv, d = 4, 2, 32
+    req_to_token, batch = make_batch(prefix_lens, new_lens, page_size, 256)
+    pool = FakePool(256, hkv, d, d, page_size)
+    backend = make_backend(req_to_token, pool, page_size)
+    hist = history(prefix_lens, new_lens, hkv, d, d)
+    fill_prefixes(pool.k, pool.v, req_to_token, batch, hist, prefix_lens)
+    k_new = torch.cat([k[p:] for (k, _), p in zip(hist, prefix_lens)])
+    v_new = torch.cat([v[p:] for (_, v), p in zip(hist, prefix_lens)])
+    q = torch.randn(sum(new_lens), hq, d)
+    backend.init_forward_metadata(batch)
+    md = backend.forward_metadata
+    assert md.num_decodes == (batch.batch_size if batch.forward_mode.is_decode() else 0)
+    out = backend.forward(
+        q.flatten(1), k_new.flatten(1), v_new.flatten(1), layer(hq, hkv, d, d, window), batch
+    )
+    want = reference(q, hist, prefix_lens, new_lens, d**-0.5, atom_sliding_window(window))
+    torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.k[batch.out_cache_loc], k_new)  # the KV write
+    assert backend.num_calls == 1
+
+
+def test_decode_cuda_graph_metadata_matches_eager():
+    """The static-buffer path (capture/replay) attends exactly like the eager one."""
+    torch.manual_seed(1)
+    hq, hkv, d, page = 4, 2, 32, 4
+    prefix_lens, new_lens = [9, 30, 2], [1, 1, 1]
+    req_to_token, batch = make_batch(prefix_lens, new_lens, page, 256)
+    pool = FakePool(256, hkv, d, d, page)
+    hist = history(prefix_lens, new_lens, hkv, d, d)
+    fill_prefixes(pool.k, pool.v, req_to_token, batch, hist, prefix_lens)
+    q = torch.randn(3, hq, d)
+    k_new = torch.stack([k[-1] for k, _ in hist])
+    v_new = torch.stack([v[-1] for _, v in hist])
+    backend = make_backend(req_to_token, pool, page)
+    backend.init_forward_metadata(batch)
+    eager = backend.forward(
+        q.flatten(1), k_new.flatten(1), v_new.flatten(1), layer(hq, hkv, d, d), batch
+    )
+    backend.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    assert backend.get_cuda_graph_seq_len_fill_value() == 1
+    backend.init_forward_metadata_out_graph(batch, in_capture=True)
+    buffers = backend.graph_buffers
+    assert backend.forward_metadata.block_table.data_ptr() == buffers["block_table"].data_ptr()
+    graphed = backend.forward(
+        q.flatten(1), k_new.flatten(1), v_new.flatten(1), layer(hq, hkv, d, d), batch
+    )
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("prefix_lens,new_lens", [([0, 6], [9, 4]), ([5, 13, 1], [1, 1, 1])])
+def test_mla_backend_matches_latent_mqa(prefix_lens, new_lens):
+    """Absorbed MLA: q [T, H, L+R] over latent rows [L+R]; values = first L channels."""
+    torch.manual_seed(2)
+    h, latent, rope = 4, 64, 16
+    req_to_token, batch = make_batch(prefix_lens, new_lens, 1, 256)
+    pool = FakePool(256, 1, latent + rope, latent, 1, mla_latent=latent)
+    backend = make_backend(req_to_token, pool, 1)
+    assert backend.is_mla
+    rows = [torch.randn(p + n, 1, latent + rope) for p, n in zip(prefix_lens, new_lens)]
+    hist = [(r, r[..., :latent]) for r in rows]
+    fill_prefixes(pool.kv, None, req_to_token, batch, hist, prefix_lens)
+    k_new = torch.cat([r[p:] for r, p in zip(rows, prefix_lens)])
+    q = torch.randn(sum(new_lens), h, latent + rope)
+    mla_layer = layer(h, 1, latent + rope, latent)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(
+        q.flatten(1), k_new.flatten(1), k_new[..., :latent].flatten(1), mla_layer, batch
+    )
+    want = reference(q, hist, prefix_lens, new_lens, (latent + rope) ** -0.5)
+    torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.kv[batch.out_cache_loc], k_new)
