@@ -7,6 +7,7 @@ from torch import nn
 
 from atom.forward_context import get_forward_context
 from atom.kernels import mla_attention, write_mla_cache
+from atom.kernels.moe import is_capturable
 from atom.layers.attention import AttentionSpec
 
 
@@ -18,8 +19,9 @@ class NativeMLAImpl(nn.Module):
     spec's kv_b_proj once its weights are loaded (`process_weights_after_loading`).
     """
 
-    # The torch MLA reference loops over host-side sequence lengths.
-    cuda_graph_safe = False
+    # The ops of a captured (pure-decode) step: their Triton kernels are capturable, the
+    # torch references loop over host-side lengths.
+    DECODE_OPS = ("write_mla_cache", "mla_decode_attention")
 
     def __init__(self, spec: AttentionSpec):
         super().__init__()
@@ -32,6 +34,11 @@ class NativeMLAImpl(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv", None, persistent=False)
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        device = next(self.spec.kv_b_proj.parameters()).device
+        return all(is_capturable(op, device) for op in self.DECODE_OPS)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         s = self.spec

@@ -6,6 +6,7 @@ from atom.kernels.triton import (
     fused_moe,
     fused_qkv,
     kv_cache,
+    mla,  # noqa: F401  (registers the MLA kernels)
     moe_routing,
     norm,
     paged_attention,
