@@ -54,8 +54,12 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert stats.num_running == stats.num_waiting == 0
 
 
-def test_batch_equals_hf_and_single_requests(checkpoint, prompts, hf_greedy):
-    llm = engine(checkpoint)
+ASYNC = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+
+
+@ASYNC
+def test_batch_equals_hf_and_single_requests(checkpoint, prompts, hf_greedy, overlap):
+    llm = engine(checkpoint, async_scheduling=overlap)
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
     singles = [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts[:3]]
     assert singles == hf_greedy[:3]
@@ -64,10 +68,11 @@ def test_batch_equals_hf_and_single_requests(checkpoint, prompts, hf_greedy):
     assert_all_blocks_free(llm)
 
 
-def test_prefix_cache_reuses_blocks(checkpoint, hf_greedy):
+@ASYNC
+def test_prefix_cache_reuses_blocks(checkpoint, hf_greedy, overlap):
     shared = make_prompts(256, [40], seed=11)[0]
     first, second = shared + [1, 2, 3], shared + [9, 8]
-    llm = engine(checkpoint, block_size=8)
+    llm = engine(checkpoint, block_size=8, async_scheduling=overlap)
     out_first = llm.generate([first], GREEDY, use_tqdm=False)[0]
     assert out_first.num_cached_tokens == 0
     hits_before = llm.engine.stats().prefix_cache_hits
@@ -82,18 +87,20 @@ def test_prefix_cache_reuses_blocks(checkpoint, hf_greedy):
     assert_all_blocks_free(llm)
 
 
-def test_preemption_keeps_tokens_and_frees_blocks(checkpoint, prompts, hf_greedy):
+@ASYNC
+def test_preemption_keeps_tokens_and_frees_blocks(checkpoint, prompts, hf_greedy, overlap):
     # 12 blocks of 8 tokens: the longest sequence alone needs 8, so the six prompts
     # cannot all be resident and the scheduler must preempt and recompute.
-    llm = engine(checkpoint, block_size=8, num_blocks=12)
+    llm = engine(checkpoint, block_size=8, num_blocks=12, async_scheduling=overlap)
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
     assert llm.engine.stats().num_preemptions > 0
     assert_all_blocks_free(llm)
 
 
+@ASYNC
 @pytest.mark.parametrize("budget", [3, 16])
-def test_chunked_prefill(checkpoint, prompts, hf_greedy, budget):
-    llm = engine(checkpoint, max_num_batched_tokens=budget)
+def test_chunked_prefill(checkpoint, prompts, hf_greedy, budget, overlap):
+    llm = engine(checkpoint, max_num_batched_tokens=budget, async_scheduling=overlap)
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
     assert_all_blocks_free(llm)
 
@@ -111,3 +118,54 @@ def test_tensor_parallel_engine_matches_single_process(checkpoint, prompts, hf_g
         assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
     finally:
         llm.engine.shutdown()
+
+
+def test_async_scheduling_equals_sync_for_every_feature(checkpoint, prompts):
+    """Stops at different steps (length, stop tokens, EOS after min_tokens), n > 1 with a
+    seed, logprobs and prompt logprobs, and penalties (which step synchronously), with
+    more sequences than max_num_seqs so admissions happen while steps are in flight."""
+    eos = 7
+    params = [
+        SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(4)
+    ] + [
+        SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[5, 17, 33]),
+        SamplingParams(temperature=0, max_tokens=9, min_tokens=4),
+        SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=3, max_tokens=7, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.5, ignore_eos=True),
+    ]
+    batch = (prompts + prompts)[: len(params)]
+    runs = {}
+    for overlap in (False, True):
+        llm = engine(checkpoint, max_num_seqs=4, async_scheduling=overlap)
+        llm.engine.eos_token_ids = {eos}
+        runs[overlap] = [
+            [
+                (c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob)
+                for c in o.outputs
+            ]
+            + [o.prompt_logprobs]
+            for o in llm.generate(batch, params, use_tqdm=False)
+        ]
+        assert_all_blocks_free(llm)
+    assert runs[True] == runs[False]
+
+
+def test_abort_while_a_step_is_in_flight(checkpoint, prompts):
+    llm = engine(checkpoint, async_scheduling=True)
+    core = llm.engine
+    ids = [core.add_request(p, GREEDY) for p in prompts]
+    for _ in range(4):
+        core.step()
+    assert core._in_flight is not None
+    core.abort_request(ids[2])
+    finished = {}
+    while core.has_unfinished_requests():
+        for output in core.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+    assert set(finished) == set(ids) - {ids[2]}
+    expected = tokens(engine(checkpoint).generate(prompts, GREEDY, use_tqdm=False))
+    assert [finished[i] for i in ids if i != ids[2]] == expected[:2] + expected[3:]
+    assert all(t >= 0 for out in finished.values() for t in out)
+    assert_all_blocks_free(llm)

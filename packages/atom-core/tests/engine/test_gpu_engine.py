@@ -35,10 +35,10 @@ def test_gpu_greedy_matches_hf(tmp_path, name, enforce_eager):
     )
 
 
-def test_gpu_graph_batches_equal_eager_and_seeds_reproduce(tmp_path):
+def test_gpu_graphs_and_async_scheduling_equal_eager_and_seeds_reproduce(tmp_path):
     """Decode graphs padded to captured sizes (37 sequences -> 48, then fewer as they
-    finish at different lengths) give eager's tokens; seeded sampling on the device
-    repeats itself."""
+    finish at different lengths) and async scheduling (steps fed by the previous step's
+    tokens on the device) give eager synchronous tokens; seeded sampling repeats."""
     folder = write_checkpoint(CASES["qwen3-gqa2-tied"], tmp_path, init_std=0.1)
     prompts = make_prompts(256, [3 + (7 * i) % 40 for i in range(37)], seed=4)
     params = [
@@ -46,20 +46,20 @@ def test_gpu_graph_batches_equal_eager_and_seeds_reproduce(tmp_path):
         for i in range(len(prompts))
     ]
     runs = {}
-    for eager in (True, False):
+    for eager, overlap in [(True, False), (False, False), (False, True), (True, True)]:
         llm = LLM(
             str(folder),
             dtype="float32",
             device="cuda",
             skip_tokenizer_init=True,
             enforce_eager=eager,
+            async_scheduling=overlap,
             max_num_seqs=64,
             kv_cache_memory_bytes=64 << 20,
         )
         assert (llm.engine.executor.runner.decode_graphs is None) == eager
-        runs[eager] = [
-            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
-        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs[eager, overlap] = [o.outputs[0].token_ids for o in outputs]
         seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)
         first, second = (
             llm.generate(prompts[:3], seeded, use_tqdm=False)[0].outputs[0].token_ids
@@ -67,4 +67,4 @@ def test_gpu_graph_batches_equal_eager_and_seeds_reproduce(tmp_path):
         )
         assert first == second
         del llm
-    assert runs[True] == runs[False]
+    assert all(run == runs[True, False] for run in runs.values())

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from atom.engine.staged_buffers import StagedBuffers
-from atom.engine.step_arrays import StepArrays
+from atom.engine.step_arrays import StepArrays, TokenFeed
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.policy import selected_backend
 
@@ -98,7 +98,7 @@ class DecodeGraphs:
             and arrays.block_table.shape[1] <= self.max_blocks
         )
 
-    def run(self, arrays: StepArrays) -> torch.Tensor:
+    def run(self, arrays: StepArrays, feed: TokenFeed | None = None) -> torch.Tensor:
         """Hidden states [num_seqs, hidden] of a pure-decode batch."""
         n = arrays.num_seqs
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
@@ -116,6 +116,8 @@ class DecodeGraphs:
         host["seq_lens"][n:bs] = 1
         host["block_table"][n:bs, 0] = 0
         self.inputs.upload(self.inputs.end_of("block_table", bs))
+        if feed is not None:
+            feed.apply(self.inputs.device["input_ids"])
         graph, output = self.graphs[bs]
         graph.replay()
         return output[:n]

@@ -20,6 +20,7 @@ from atom.distributed import SingleProcessGroup, TorchDistributedGroup, set_tp_g
 from atom.engine.model_runner import (
     ModelRunner,
     StepInput,
+    TokenFeed,
     allocate_kv_cache,
     build_model,
     kv_cache_bytes_per_block,
@@ -117,9 +118,15 @@ class Executor:
         if self.workers:
             dist.broadcast_object_list([message], src=0, group=self.control)
 
-    def execute(self, inputs: list[StepInput], logit_rows: list[int]) -> torch.Tensor | None:
+    def execute(
+        self, inputs: list[StepInput], logit_rows: list[int], feed: TokenFeed | None = None
+    ) -> torch.Tensor | None:
+        if feed is not None and self.workers:
+            raise ValueError(
+                "device-fed input tokens reach rank 0 only; tensor parallel steps need host tokens"
+            )
         self._broadcast((inputs, logit_rows))
-        return self.runner.execute(inputs, logit_rows)
+        return self.runner.execute(inputs, logit_rows, feed)
 
     def shutdown(self) -> None:
         if not self.workers:

@@ -37,6 +37,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         skip_tokenizer_init: bool = False,
+        async_scheduling: bool | None = None,
     ):
         model_config = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len)
         if kv_cache_memory_bytes is None and num_blocks is None and device == "cpu":
@@ -61,7 +62,7 @@ class LLM:
             enforce_eager=enforce_eager,
         )
         tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
-        self.engine = LLMEngine(config, tokenizer)
+        self.engine = LLMEngine(config, tokenizer, async_scheduling)
         # Worker processes of a tensor-parallel engine end with the LLM object.
         weakref.finalize(self, self.engine.shutdown)
 

@@ -13,13 +13,16 @@ from atom.engine.block_manager import BlockManager
 from atom.engine.detokenizer import Detokenizer, find_stop_string
 from atom.engine.executor import Executor
 from atom.engine.outputs import CompletionOutput, RequestOutput
-from atom.engine.sampler import Sampler, prompt_logprob_entries
+from atom.engine.sampler import PendingSamples, Sampler, prompt_logprob_entries, uses_penalties
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
-from atom.engine.step_arrays import StepInput
+from atom.engine.step_arrays import StepInput, TokenFeed
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Stands on the host for a token sampled by a step still in flight.
+PLACEHOLDER_TOKEN = -1
 
 
 @dataclass
@@ -43,7 +46,9 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None):
+    def __init__(self, config: EngineConfig, tokenizer=None, async_scheduling: bool | None = None):
+        """async_scheduling (default: on for one GPU) overlaps each step's host work with
+        the next step's GPU work."""
         self.config = config
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)
@@ -59,6 +64,10 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(config.model.hf_config, tokenizer)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
+        if async_scheduling is None:
+            async_scheduling = config.device.startswith("cuda")
+        self.async_scheduling = async_scheduling and config.parallel.tensor_parallel_size == 1
+        self._in_flight: _Step | None = None
         logger.info(
             "KV cache: %d blocks of %d tokens", self.executor.num_blocks, config.cache.block_size
         )
@@ -125,51 +134,122 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Runs one scheduled batch; returns the current output of each request it touched
-        (only of those it finished, with finished_only: the offline API needs no more)."""
+        (only of those it finished, with finished_only: the offline API needs no more).
+
+        With async scheduling, the next batch is launched before this one's tokens reach
+        the host: its rows continuing a sequence read the sampled tokens on the device, and
+        the host's bookkeeping overlaps the GPU's work. A sequence that stops here has
+        then run one row too many, whose result is dropped.
+        """
+        current = self._in_flight or self._launch(None)
+        self._in_flight = None
+        if current is None:
+            return []
+        if self.async_scheduling and self._can_feed(current):
+            self._in_flight = self._launch(current)
+        outputs = self._finish(current, finished_only)
+        if not self.requests and self._in_flight is not None:
+            self._in_flight.samples.results()  # only finished sequences' rows: drop it
+            self._in_flight = None
+        return outputs
+
+    def _can_feed(self, step: _Step) -> bool:
+        # Penalties read the output tokens on the host, which would still lack the last.
+        return step.samples is not None and not any(
+            uses_penalties(seq.params) for seq in step.plan.samples
+        )
+
+    def _launch(self, feeding: _Step | None) -> _Step | None:
+        """Schedules and starts a step; `feeding` is the step still in flight whose sampled
+        tokens this one reads on the device (they stand as placeholders on the host)."""
+        if feeding is not None:
+            for seq in feeding.plan.samples:
+                if not seq.is_finished:
+                    seq.token_ids.append(PLACEHOLDER_TOKEN)
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return None
         plan = _StepPlan(batch.seqs, batch.num_new_tokens)
-        logits = self.executor.execute(plan.inputs, plan.rows)
+        feed = None
+        if feeding is not None:
+            source = {seq: i for i, seq in enumerate(feeding.plan.samples)}
+            rows, sources = [], []
+            for seq, row in zip(batch.seqs, plan.token_starts):
+                i = source.get(seq)
+                if i is not None and seq.token_ids[seq.num_computed_tokens] == PLACEHOLDER_TOKEN:
+                    rows.append(row)
+                    sources.append(i)
+            feed = TokenFeed(feeding.samples.tokens, rows, sources) if rows else None
+        logits = self.executor.execute(plan.inputs, plan.rows, feed)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        samples = None
+        if plan.samples:
+            sample_logits = logits
+            if len(plan.sample_rows) != logits.shape[0]:
+                index = torch.tensor(plan.sample_rows).to(logits.device, non_blocking=True)
+                sample_logits = logits[index]
+            blocked = [
+                self.eos_token_ids if seq.num_output_tokens < seq.params.min_tokens else ()
+                for seq in plan.samples
+            ]
+            samples = self.sampler.launch(sample_logits, plan.samples, blocked)
+        return _Step(batch.seqs, plan, logits if plan.prompt_logprobs else None, samples)
+
+    def _finish(self, step: _Step, finished_only: bool) -> list[RequestOutput]:
+        """Brings a step's tokens to the host, then does its bookkeeping."""
+        results = step.samples.results() if step.samples is not None else []
+        # Sequences that stopped (or were aborted) while this step was in flight are
+        # done; their rows here are the extra ones.
+        running = [seq for seq in step.seqs if not seq.is_finished]
+        live = set(running)
+        for seq, result in zip(step.plan.samples, results):
+            if seq in live:
+                self._take_token(seq, result)
         block_manager = self.block_manager
         hashing = block_manager.enable_prefix_caching
         block_size = block_manager.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            if hashing and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
+        for seq in step.seqs:
+            if (
+                hashing
+                and seq in live
+                and seq.num_computed_tokens // block_size > seq.num_hashed_blocks
+            ):
                 block_manager.register_full_blocks(seq)
-        for seq, first, last, row in plan.prompt_logprobs:
-            rows = logits[row : row + last - first]
+        for seq, first, last, row in step.plan.prompt_logprobs:
+            rows = step.logits[row : row + last - first]
             targets = seq.token_ids[first + 1 : last + 1]
             seq.prompt_logprobs += prompt_logprob_entries(rows, targets, seq.params.prompt_logprobs)
-        if plan.samples:
-            self._append_tokens(plan.samples, logits, plan.sample_rows)
+        for seq, result in zip(step.plan.samples, results):
+            if seq in live:
+                self._after_token(seq, result.token_id)
         outputs = []
-        for request_id in dict.fromkeys(seq.request_id for seq in batch.seqs):
-            request = self.requests[request_id]
+        for request_id in dict.fromkeys(seq.request_id for seq in running):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
             if not finished_only or all(s.is_finished for s in request.seqs):
                 outputs.append(self._output(request))
         return outputs
 
-    def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> None:
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-        blocked = [
-            self.eos_token_ids if seq.num_output_tokens < seq.params.min_tokens else ()
-            for seq in seqs
-        ]
-        for seq, result in zip(seqs, self.sampler.sample(logits, seqs, blocked)):
+    def _take_token(self, seq: Sequence, result) -> None:
+        """Appends a sampled token, or fills the placeholder a fed step left for it."""
+        if seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+            seq.token_ids[-1] = result.token_id
+        else:
             seq.token_ids.append(result.token_id)
-            seq.cumulative_logprob += result.logprob
-            if result.top_logprobs is not None:
-                seq.logprobs.append(result.top_logprobs)
-            self._check_stop(seq, result.token_id)
-            if seq.finish_reason is not None:
-                # Flush text held back as incomplete, unless a stop string already cut it
-                # short (re-decoding would bring the stop string back).
-                if not isinstance(seq.stop_reason, str):
-                    self.detokenizer.update(seq)
-                self.scheduler.finish(seq)
+        seq.cumulative_logprob += result.logprob
+        if result.top_logprobs is not None:
+            seq.logprobs.append(result.top_logprobs)
+
+    def _after_token(self, seq: Sequence, token: int) -> None:
+        self._check_stop(seq, token)
+        if seq.finish_reason is not None:
+            # Flush text held back as incomplete, unless a stop string already cut it
+            # short (re-decoding would bring the stop string back).
+            if not isinstance(seq.stop_reason, str):
+                self.detokenizer.update(seq)
+            self.scheduler.finish(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
@@ -223,6 +303,16 @@ class LLMEngine:
         )
 
 
+@dataclass
+class _Step:
+    """A launched step: what ran, and what its results are waiting on."""
+
+    seqs: list[Sequence]
+    plan: _StepPlan
+    logits: torch.Tensor | None  # kept only for prompt logprobs
+    samples: PendingSamples | None
+
+
 class _StepPlan:
     """A step's model inputs and which hidden rows need logits, in ascending order: the
     prompt positions of sequences that asked for prompt logprobs, and the last token of
@@ -234,8 +324,10 @@ class _StepPlan:
         self.prompt_logprobs: list[tuple[Sequence, int, int, int]] = []  # seq, first, last, row
         self.samples: list[Sequence] = []
         self.sample_rows: list[int] = []  # indexes into rows
+        self.token_starts: list[int] = []  # each sequence's first token row
         offset = 0
         for seq, n in zip(seqs, num_new_tokens):
+            self.token_starts.append(offset)
             start = seq.num_computed_tokens
             self.inputs.append(StepInput(seq.token_ids[start : start + n], start, seq.block_table))
             if seq.prompt_logprobs is not None:

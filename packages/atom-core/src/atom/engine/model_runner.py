@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from atom.config import ModelConfig
-from atom.engine.step_arrays import StepInput, build_step_arrays, upload
+from atom.engine.step_arrays import StepInput, TokenFeed, build_step_arrays, upload
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.quantization import get_quant_config
 from atom.loader import load_model_weights
@@ -96,15 +96,18 @@ class ModelRunner:
         return upload(build_step_arrays(batch, self.block_size), self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: list[StepInput]) -> torch.Tensor:
-        """Hidden states [T, hidden] of every new token.
+    def forward(self, batch: list[StepInput], feed: TokenFeed | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of every new token; `feed` supplies input tokens that
+        are still on the device.
 
         Decode rows (one new token) must come before prefill rows.
         """
         arrays = build_step_arrays(batch, self.block_size)
         if self.decode_graphs is not None and self.decode_graphs.can_run(arrays):
-            return self.decode_graphs.run(arrays)
+            return self.decode_graphs.run(arrays, feed)
         input_ids, positions, metadata = upload(arrays, self.device)
+        if feed is not None:
+            feed.apply(input_ids)
         with set_forward_context(metadata):
             return self.model(input_ids, positions)
 
@@ -114,10 +117,12 @@ class ModelRunner:
         return hidden[torch.tensor(rows).to(self.device, non_blocking=True)]
 
     @torch.inference_mode()
-    def execute(self, batch: list[StepInput], logit_rows: list[int]) -> torch.Tensor | None:
+    def execute(
+        self, batch: list[StepInput], logit_rows: list[int], feed: TokenFeed | None = None
+    ) -> torch.Tensor | None:
         """fp32 logits of the given (ascending) token rows of the step; None when no row
         is asked."""
-        hidden = self.forward(batch)
+        hidden = self.forward(batch, feed)
         if not logit_rows:
             return None
         return self.model.compute_logits(self._rows(hidden, logit_rows)).float()

@@ -133,7 +133,7 @@ def prompt_logprob_entries(
     return [_unpack_entry(row, k, k) for row in packed.cpu().tolist()]
 
 
-def _uses_penalties(p: SamplingParams) -> bool:
+def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
@@ -158,13 +158,14 @@ class Sampler:
         # A zero draw would turn a filtered (p = 0) token into 0/0.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
-    def sample(
+    def launch(
         self, logits: torch.Tensor, seqs: list[Sequence], blocked: Rows[Rows[int]] = ()
-    ) -> list[SampleResult]:
-        """One token per row of fp32 `logits` [B, vocab] (modified in place), row i following
-        seqs[i].params; blocked[i] lists token ids row i may not pick (EOS under min_tokens)."""
+    ) -> PendingSamples:
+        """Starts sampling one token per row of fp32 `logits` [B, vocab] (modified in
+        place), row i following seqs[i].params; blocked[i] lists token ids row i may not
+        pick (EOS under min_tokens). Nothing waits for the device."""
         params = [seq.params for seq in seqs]
-        penalised = [_uses_penalties(p) for p in params]
+        penalised = [uses_penalties(p) for p in params]
         if any(penalised):
             apply_penalties(
                 logits,
@@ -188,8 +189,33 @@ class Sampler:
         k = max((p.logprobs or 0 for p in params), default=0)
         top = _topk_columns(logits.log_softmax(-1), k) if k else []
         packed = torch.cat([tokens[:, None].double(), chosen.double(), *top], 1)
+        return PendingSamples(tokens, packed, params, k)
+
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], blocked: Rows[Rows[int]] = ()
+    ) -> list[SampleResult]:
+        return self.launch(logits, seqs, blocked).results()
+
+
+class PendingSamples:
+    """A batch's sampled tokens: on the device at once (to feed the next step), on the
+    host after one asynchronous copy of the packed results."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, params, k: int):
+        self.tokens = tokens
+        self.params = params
+        self.k = k
+        self.host = packed.to("cpu", non_blocking=True)  # pinned when it comes from a GPU
+        self.copied = None
+        if packed.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def results(self) -> list[SampleResult]:
+        if self.copied is not None:
+            self.copied.synchronize()
         results = []
-        for p, row in zip(params, packed.cpu().tolist()):  # the step's one device->host copy
-            entry = _unpack_entry(row, p.logprobs, k) if p.logprobs is not None else None
+        for p, row in zip(self.params, self.host.tolist()):
+            entry = _unpack_entry(row, p.logprobs, self.k) if p.logprobs is not None else None
             results.append(SampleResult(int(row[0]), row[1], entry))
         return results

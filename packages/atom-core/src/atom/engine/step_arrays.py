@@ -27,6 +27,20 @@ class StepInput:
 
 
 @dataclass
+class TokenFeed:
+    """Input tokens that are still on the device (sampled by the step before, not yet
+    seen by the host): token row rows[i] of this step takes tokens[sources[i]]."""
+
+    tokens: torch.Tensor
+    rows: list[int]
+    sources: list[int]
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        index = torch.tensor([self.rows, self.sources]).to(input_ids.device, non_blocking=True)
+        input_ids[index[0]] = self.tokens[index[1]]
+
+
+@dataclass
 class StepArrays:
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
