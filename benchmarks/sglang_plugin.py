@@ -13,6 +13,8 @@ Each engine runs in its own process (`engine` subcommand), same checkpoint, same
 * "atom": the plugin on, ATOM's model, `attention_backend="atom"` (ATOM's Triton kernels,
   the kernel policy's choice on CUDA);
 * "sglang": `ATOM_DISABLE_SGLANG_PLUGIN=1`, SGLang's own model, `attention_backend="triton"`.
+Both capture decode steps in CUDA graphs; prefill graphs are off on both sides (ATOM's
+backend implements SGLang's decode-graph hooks, not its breakable prefill graphs).
 equality also compares with HF transformers' greedy tokens on the GPU (fp32).
 
 No pip on the GPU machine: the atom packages are source folders on PYTHONPATH, and the
@@ -176,6 +178,7 @@ def equality(work: Path, summary: dict) -> bool:
         dtype="float32",
         skip_tokenizer_init=True,
         sampling_backend="pytorch",
+        disable_prefill_cuda_graph=True,
         mem_fraction_static=0.3,
         context_length=512,
         chunked_prefill_size=64,
@@ -253,6 +256,7 @@ def throughput(work: Path, workloads, summary: dict) -> None:
         dtype="bfloat16",
         skip_tokenizer_init=True,
         sampling_backend="pytorch",
+        disable_prefill_cuda_graph=True,
         mem_fraction_static=0.8,
         context_length=2048,
         random_seed=0,

@@ -4,7 +4,8 @@ One engine per configuration, each serving every check of that configuration (a 
 costs 20-45 s here); all engines run in one module fixture, in two processes (plugin on /
 off) that start their engines one after another. For every SGLang-capable
 ATOM architecture: SGLang + ATOM (registry override, `attention_backend="atom"`) gives
-the same greedy tokens as HF transformers and as SGLang's own implementation, for a
+the same greedy tokens as HF transformers and as SGLang's own implementation (DeepSeek:
+HF only, see HF_ONLY), for a
 mixed-length batch and for requests reusing a cached prefix (chunked prefill: 64
 tokens). Also: the external-model-package route, the "atom" backend under SGLang's own
 Qwen3, `ATOM_DISABLE_SGLANG_PLUGIN=1`, and an architecture ATOM does not serve.
@@ -32,8 +33,20 @@ STOCK = {**ENGINE, "attention_backend": "torch_native"}
 PLUGIN_OFF = {"ATOM_DISABLE_SGLANG_PLUGIN": "1"}
 # SGLang's own implementation of each architecture, the reference of the equality tests.
 # Qwen3's runs on ATOM's backend (so that job also covers "atom" under SGLang's models).
-REFERENCE = {arch: (STOCK, PLUGIN_OFF) for arch in ARCHS}
-REFERENCE["Qwen3ForCausalLM"] = (ATOM, {"ATOM_SGLANG_BACKEND_ONLY": "1"})
+REFERENCE = {
+    "LlamaForCausalLM": (STOCK, PLUGIN_OFF),
+    "Qwen3ForCausalLM": (ATOM, {"ATOM_SGLANG_BACKEND_ONLY": "1"}),
+    "Qwen3MoeForCausalLM": (STOCK, PLUGIN_OFF),
+}
+# SGLang 0.5.17's own DeepSeek does not start on its CPU engine with these checkpoints, so
+# ATOM's DeepSeek is compared with HF transformers only:
+HF_ONLY = {
+    # get_rope_cpu() asserts rope scaling: its CPU rotary path only has DeepSeek-YaRN.
+    "DeepseekV2ForCausalLM": "SGLang's CPU rope requires rope_scaling",
+    # SGLang's model reads config.moe_layer_freq, which transformers 5.12's
+    # DeepseekV3Config does not define (AttributeError while building the layers).
+    "DeepseekV3ForCausalLM": "DeepseekV3Config has no moe_layer_freq",
+}
 EXTERNAL = {**PLUGIN_OFF, "SGLANG_EXTERNAL_MODEL_PACKAGE": "atom_sglang.models"}
 UNSUPPORTED = "GPT2LMHeadModel"
 
@@ -82,7 +95,8 @@ def test_atom_equals_hf_and_sglang(runs, checkpoints, arch):
     assert arch in served_architectures()
     atom = result_of(runs, f"{arch}-atom")
     assert_same(atom.tokens(), hf_reference(checkpoints, arch), f"SGLang+ATOM {arch} vs HF")
-    assert_same(atom.tokens(), result_of(runs, f"{arch}-sglang").tokens(), "ATOM vs SGLang")
+    if arch not in HF_ONLY:
+        assert_same(atom.tokens(), result_of(runs, f"{arch}-sglang").tokens(), "ATOM vs SGLang")
     assert_prefix_cached(atom)
     # Proof that ATOM's model and ATOM's attention backend served the requests.
     entry = get_entry(arch)
