@@ -44,8 +44,10 @@ def test_block_table_lists_the_page_of_every_page_start(page_size):
     else:
         assert blocks.tolist() == [table[2, :10].tolist(), table[0, :10].tolist()]
     out = torch.full((8, 8), -1, dtype=torch.int32)
-    view = block_table_from_token_table(table, torch.tensor([2]), 4, 10, out=out)
-    assert view.data_ptr() == out.data_ptr() and out[0, :3].tolist() == [5, 1, 7]
+    view = block_table_from_token_table(table, torch.tensor([2]), page_size, 8, out=out)
+    width = 8 // page_size
+    assert view.data_ptr() == out.data_ptr() and view.shape == (1, width)
+    assert out[0, :width].tolist() == blocks[0, :width].tolist() and out[1, 0] == -1
 
 
 def test_metadata_from_token_table():
