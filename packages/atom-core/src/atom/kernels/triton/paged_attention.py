@@ -17,7 +17,8 @@ from atom.kernels.policy import register
 # Launch parameters, from benchmarks/tune_attention.py on an H100 (bf16, head dim 128,
 # 32 q / 8 kv heads). Decode splits each sequence's keys only while there are too few
 # (sequence, kv head) programs to fill the GPU: 1 split from 512 programs up (64x8k,
-# 256x1k), 4 at 128 (16x8k). Prefill prefers 128-row tiles; long ones wide key blocks.
+# 256x1k), 4 at 128 (16x8k). Prefill prefers 128-row tiles, long ones wide key blocks;
+# fp32 or heads wider than 128 take smaller tiles to fit shared memory.
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 DECODE_TARGET_PROGRAMS = 512
 MAX_DECODE_SPLITS = 16
@@ -28,6 +29,9 @@ LONG_PREFILL_CONFIG = {
     "rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 4, "warp_specialize": False,
 }  # fmt: skip
 LONG_PREFILL_TOKENS = 4096
+WIDE_PREFILL_CONFIG = {
+    "rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 3, "warp_specialize": False,
+}  # fmt: skip
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -315,9 +319,13 @@ def prefill_attention(
 ):
     num_prefills = metadata.num_seqs - metadata.num_decodes
     args = _common(query, key_cache, value_cache, sliding_window, logits_soft_cap)
-    config = PREFILL_CONFIG
-    if metadata.max_query_len >= LONG_PREFILL_TOKENS:
+    # The 128-row tiles fit shared memory only for 16-bit heads up to 128 wide.
+    if query.element_size() != 2 or args["BLOCK_D"] > 128:
+        config = WIDE_PREFILL_CONFIG
+    elif metadata.max_query_len >= LONG_PREFILL_TOKENS:
         config = LONG_PREFILL_CONFIG
+    else:
+        config = PREFILL_CONFIG
     group_block = triton.next_power_of_2(args["group"])
     block_m = max(1, config["rows"] // group_block)
     num_tiles = triton.cdiv(metadata.max_query_len, block_m)
