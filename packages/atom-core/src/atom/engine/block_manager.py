@@ -1,26 +1,27 @@
 """The KV page pool: allocation, reference counts and prefix caching by block hash.
 
 Pure Python. A full page is identified by a hash of its tokens chained with the hash of
-the page before it (xxhash), so equal prefixes map to equal pages. Freed pages keep their
-hash and stay reusable until the allocator hands them out again, least recently freed
-first (that is the eviction of unused cached pages).
+the page before it (64-bit BLAKE2b from the standard library: no extra dependency on
+the GPU machines), so equal prefixes map to equal pages. Freed pages keep their hash and
+stay reusable until the allocator hands them out again, least recently freed first (that
+is the eviction of unused cached pages).
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
-
-import xxhash
 
 from atom.engine.sequence import Sequence
 
 
 def block_hash(token_ids: list[int], parent: int | None) -> int:
-    h = xxhash.xxh64()
+    h = hashlib.blake2b(digest_size=8)
     if parent is not None:
         h.update(parent.to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
-    return h.intdigest()
+    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
