@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="ATOM's engine next to vLLM / SGLang on one GPU: output tokens/s, table, plot",
+        description="Runs each engine in its own process on the same random-weight "
+        "checkpoint and random prompts (greedy, ignore_eos), prints output/total tokens/s "
+        "and the ratio to a baseline, writes OUT/bench.json and OUT/bench.png. Example: "
+        "atom bench --engines atom,vllm,vllm-atom --shapes qwen3-0.6b "
+        "--workloads '1x128->256,1024x512->256' --vllm-path /tmp/site",
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench, parser=bench)
