@@ -149,7 +149,9 @@ class LLMEngine:
             self._in_flight = self._launch(current)
         outputs = self._finish(current, finished_only)
         if not self.requests and self._in_flight is not None:
-            self._in_flight.samples.results()  # only finished sequences' rows: drop it
+            # Every row in flight belongs to a finished sequence: drop the step.
+            if self._in_flight.samples is not None:
+                self._in_flight.samples.results()
             self._in_flight = None
         return outputs
 
@@ -209,12 +211,8 @@ class LLMEngine:
         block_manager = self.block_manager
         hashing = block_manager.enable_prefix_caching
         block_size = block_manager.block_size
-        for seq in step.seqs:
-            if (
-                hashing
-                and seq in live
-                and seq.num_computed_tokens // block_size > seq.num_hashed_blocks
-            ):
+        for seq in running:
+            if hashing and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
                 block_manager.register_full_blocks(seq)
         for seq, first, last, row in step.plan.prompt_logprobs:
             rows = step.logits[row : row + last - first]
