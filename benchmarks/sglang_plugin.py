@@ -202,30 +202,31 @@ def equality(work: Path, summary: dict) -> bool:
         res = {m: engine(job, m, work, f"eq-{arch}") for m in MODES}
         hf = {r["name"]: hf_greedy(model, r["prompts"], 16) for r in rounds}
         summary[f"equality-{arch}"] = {**res, "hf": hf}
-        if any(r.get("failed") for r in res.values()):
+        if res["atom"].get("failed"):
             ok = False
             continue
+        # SGLang's own fp32 model has no GPU kernels (sgl_kernel's rmsnorm rejects float32):
+        # on GPU the reference is HF; SGLang's own tokens are compared where it runs.
         tokens = {
             m: {n: [o["token_ids"] for o in v] for n, v in r["rounds"].items()}
             for m, r in res.items()
+            if not r.get("failed")
         }
-        same_sglang = tokens["atom"] == tokens["sglang"]
+        same_sglang = tokens["atom"] == tokens["sglang"] if "sglang" in tokens else "n/a"
         same_hf = tokens["atom"] == hf
         ran = res["atom"]["atom_model"] and res["atom"]["atom_backend_ran"]
-        ok &= same_sglang and same_hf and ran
+        ok &= same_sglang is not False and same_hf and ran
         cached = [o["cached_tokens"] for o in res["atom"]["rounds"]["prefix_reuse"]]
         print(
             f"RESULT equality {arch} atom_vs_sglang={same_sglang} atom_vs_hf={same_hf} "
-            f"sglang_vs_hf={tokens['sglang'] == hf} atom_model_and_backend_ran={ran} "
+            f"atom_model_and_backend_ran={ran} "
             f"cuda_graphs={res['atom']['cuda_graph_captured']} cached={cached}",
             flush=True,
         )
         for name in hf:
-            for j, (a, s, h) in enumerate(
-                zip(tokens["atom"][name], tokens["sglang"][name], hf[name])
-            ):
-                if not a == s == h:
-                    print(f"  {name}[{j}] atom={a} sglang={s} hf={h}")
+            for j, (a, h) in enumerate(zip(tokens["atom"][name], hf[name])):
+                if a != h:
+                    print(f"  {name}[{j}] atom={a} hf={h}")
     return ok
 
 
@@ -245,7 +246,7 @@ QWEN3_06B = dict(
 )
 
 
-def throughput(work: Path, workloads, summary: dict) -> None:
+def throughput(work: Path, workloads, modes: list[str], summary: dict) -> None:
     model = write_checkpoint(work / "qwen3-0.6b-rand", "Qwen3ForCausalLM", QWEN3_06B, "bfloat16")
     rounds = []
     for n, isl, osl in workloads:
@@ -263,7 +264,7 @@ def throughput(work: Path, workloads, summary: dict) -> None:
         log_level="info",
     )
     job = {"model": str(model), "engine": engine_kw, "rounds": rounds}
-    res = {mode: engine(job, mode, work, "tput") for mode in ("sglang", "atom")}
+    res = {mode: engine(job, mode, work, "tput") for mode in modes}
     summary["throughput"] = {
         m: {k: v for k, v in r.items() if k != "rounds"} for m, r in res.items()
     }
@@ -293,6 +294,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--work", default="/tmp/atom-sglang-bench")
     parser.add_argument("--workloads", default="1x128x256,256x512x256,1024x512x256")
+    parser.add_argument("--modes", default="sglang,atom", help="throughput: engines to run")
     args = parser.parse_args()
     if args.what == "engine":
         print(RESULT + json.dumps(run_engine(json.loads(Path(args.job).read_text()))), flush=True)
@@ -307,7 +309,7 @@ def main() -> None:
             ok = equality(work, summary)
         else:
             workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
-            throughput(work, workloads, summary)
+            throughput(work, workloads, args.modes.split(","), summary)
     finally:
         (out_dir / f"sglang_plugin_{args.what}.json").write_text(json.dumps(summary))
         with tarfile.open(out_dir / f"sglang_plugin_{args.what}_logs.tar.gz", "w:gz") as tar:

@@ -128,7 +128,11 @@ class AtomAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         width = buffers["block_table"].shape[1]
         buffers["seq_lens"][:bs].copy_(forward_batch.seq_lens[:bs])
-        buffers["slot_mapping"][:bs].copy_(forward_batch.out_cache_loc[:bs])
+        # On replay SGLang pads seq_lens and the request rows to the graph's size, but
+        # out_cache_loc keeps the real tokens only: padded rows write nowhere.
+        real = min(bs, forward_batch.out_cache_loc.shape[0])
+        buffers["slot_mapping"][:real].copy_(forward_batch.out_cache_loc[:real])
+        buffers["slot_mapping"][real:bs].fill_(-1)
         block_table_from_token_table(
             self.req_to_token,
             forward_batch.req_pool_indices[:bs],
