@@ -28,9 +28,9 @@ from atom.kernels.moe import capturable
 from atom.kernels.policy import register
 from atom.kernels.triton.kv_cache import write_kv_cache_triton
 from atom.kernels.triton.paged_attention import (
-    _decode_reduce_kernel,
     _load_page_rows,
     prefill_attention,
+    reduce_splits,
 )
 
 # Heads per program: every head block reads the context (after the first time, from L2),
@@ -174,11 +174,7 @@ def mla_decode_attention_triton(q_latent, q_pe, kv_cache, metadata, scale, out):
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
-        _decode_reduce_kernel[(num_decodes, num_heads)](
-            part_out, part_max, part_sum, out, metadata.query_start_loc,
-            out.stride(0), out.stride(1), num_heads, latent_dim,
-            NUM_SPLITS=num_splits, BLOCK_DV=block_l,
-        )  # fmt: skip
+        reduce_splits(part_out, part_max, part_sum, out, metadata.query_start_loc)
     return out
 
 

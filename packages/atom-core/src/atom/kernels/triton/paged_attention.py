@@ -174,7 +174,7 @@ def _decode_split_kernel(
     block_table_ptr, seq_lens_ptr, query_start_ptr,
     q_stride_t, q_stride_h, k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
     bt_stride, scale, soft_cap, window, group, num_q_heads, block_size, head_dim, v_head_dim,
-    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    num_splits, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -187,7 +187,7 @@ def _decode_split_kernel(
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(0, last_pos - window + 1)
-    per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
     split_start = kv_start + split * per_split
     split_end = tl.minimum(seq_len, split_start + per_split)
 
@@ -212,7 +212,7 @@ def _decode_split_kernel(
             dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
             BLOCK_N, True, USE_SOFT_CAP, False, PRECISION,
         )  # fmt: skip
-    part = (seq * num_q_heads + head) * NUM_SPLITS + split
+    part = (seq * num_q_heads + head) * num_splits + split
     tl.store(part_max_ptr + part, m_i, mask=row_valid)
     tl.store(part_sum_ptr + part, l_i, mask=row_valid)
     tl.store(part_out_ptr + part[:, None] * v_head_dim + vdims[None, :], acc,
@@ -222,22 +222,23 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, query_start_ptr,
-    o_stride_t, o_stride_h, num_q_heads, v_head_dim,
-    NUM_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
+    o_stride_t, o_stride_h, num_q_heads, num_splits, v_head_dim,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, NUM_SPLITS)
-    base = (seq * num_q_heads + head) * NUM_SPLITS
-    maxes = tl.load(part_max_ptr + base + splits)
-    sums = tl.load(part_sum_ptr + base + splits)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    split_valid = splits < num_splits
+    base = (seq * num_q_heads + head) * num_splits
+    maxes = tl.load(part_max_ptr + base + splits, mask=split_valid, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + base + splits, mask=split_valid, other=0.0)
     global_max = tl.max(maxes, 0)
     weights = tl.where(maxes == float("-inf"), 0.0, tl.exp2(maxes - global_max))
     vdims = tl.arange(0, BLOCK_DV)
     vmask = vdims < v_head_dim
     parts = tl.load(
         part_out_ptr + (base + splits)[:, None] * v_head_dim + vdims[None, :],
-        mask=vmask[None, :],
+        mask=split_valid[:, None] & vmask[None, :],
         other=0.0,
     )
     out = tl.sum(parts * weights[:, None], 0) / tl.sum(sums * weights, 0)
@@ -247,6 +248,21 @@ def _decode_reduce_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=vmask,
     )
+
+
+def reduce_splits(part_out, part_max, part_sum, out, query_start_loc) -> None:
+    """Merges per-split partial softmax states [seqs, heads, splits, ...] into `out`.
+
+    The split count is a runtime value (one compiled kernel for every batch size), so
+    eager steps of changing decode counts never wait for a compile.
+    """
+    num_seqs, num_heads, num_splits, v_head_dim = part_out.shape
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out, part_max, part_sum, out, query_start_loc,
+        out.stride(0), out.stride(1), num_heads, num_splits, v_head_dim,
+        BLOCK_SPLITS=max(MAX_DECODE_SPLITS, triton.next_power_of_2(num_splits)),
+        BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
+    )  # fmt: skip
 
 
 def _common(query, key_cache, value_cache, sliding_window, logits_soft_cap):
@@ -302,16 +318,12 @@ def decode_attention(
         query.stride(0), query.stride(1), *_cache_strides(key_cache, value_cache),
         metadata.block_table.stride(0), scale, args["soft_cap"], args["window"], args["group"],
         num_q_heads, args["block_size"], args["head_dim"], v_head_dim,
-        NUM_SPLITS=num_splits, GROUP=group_block, BLOCK_N=config["block_n"],
+        num_splits, GROUP=group_block, BLOCK_N=config["block_n"],
         BLOCK_D=args["BLOCK_D"], BLOCK_DV=args["BLOCK_DV"],
         USE_SOFT_CAP=args["USE_SOFT_CAP"], USE_WINDOW=args["USE_WINDOW"], PRECISION=args["PRECISION"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
-    _decode_reduce_kernel[(num_decodes, num_q_heads)](
-        part_out, part_max, part_sum, out, metadata.query_start_loc,
-        out.stride(0), out.stride(1), num_q_heads, v_head_dim,
-        NUM_SPLITS=num_splits, BLOCK_DV=args["BLOCK_DV"],
-    )  # fmt: skip
+    reduce_splits(part_out, part_max, part_sum, out, metadata.query_start_loc)
 
 
 def prefill_attention(
