@@ -58,7 +58,7 @@ def tests_vllm(session: nox.Session) -> None:
     # Their PyPI wheels are built for another torch and break `transformers` imports.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("--no-deps", *editable(CORE), *editable(ROOT / "packages" / "atom-vllm"))
-    session.install("pytest", "requests", "xxhash")
+    session.install("pytest", "requests", "numpy")
     session.run(
         "pytest", str(ROOT / "packages" / "atom-vllm" / "tests"), *session.posargs,
         env={"PYTHONHASHSEED": "0"},
