@@ -4,6 +4,7 @@ tiny end-to-end run of ATOM's engine on the CPU."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.metadata
 import json
 import sys
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from atom.bench.engines import ENGINES, engine_env, parse_engines
+from atom.bench.profile import summarize
 from atom.bench.report import add_ratios, format_table, write_json
 from atom.bench.run import add_arguments, resolve
 from atom.bench.shapes import parse_shapes
@@ -161,3 +163,26 @@ def test_a_failing_engine_is_reported_and_fails_the_command(tmp_path, capsys, mo
     assert "stand-in vllm for the test" in capsys.readouterr().out
     (result,) = json.loads((out / "bench.json").read_text())["results"]
     assert "error" in result and "output_tok_s" not in result
+
+
+def test_profile_summary_counts_overlapping_kernels_once(tmp_path):
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        kernel("gemm", 0, 60),
+        kernel("attention", 50, 20),  # overlaps gemm by 10 us on another stream
+        kernel("gemm", 100, 40),  # 30 us idle before it
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 2},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 90, "dur": 2},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+    ]
+    path = tmp_path / "run.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    lines = summarize([path]).splitlines()
+    assert lines[0].startswith("GPU span 0.1 ms, busy 0.1 ms (79%)")  # 110 of 140 us
+    assert "kernel launches from the host 1, CUDA graph launches 1" in lines[0]
+    gemm, attention = lines[2].split(), lines[3].split()
+    assert gemm[:3] == ["gemm", "2", "0.10"] and gemm[3] == "83.3%"
+    assert attention[:3] == ["attention", "1", "0.02"]

@@ -14,8 +14,11 @@ import importlib
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from atom.bench.profile import summarize
 from atom.bench.workloads import Workload, make_prompts, warmup_workload
 
 EVENT = "BENCH_EVENT "
@@ -23,6 +26,19 @@ EVENT = "BENCH_EVENT "
 
 def emit(event: str, **fields) -> None:
     print(EVENT + json.dumps({"event": event, **fields}), flush=True)
+
+
+@contextmanager
+def in_process_trace(stem: Path) -> Iterator[list[Path]]:
+    """torch.profiler over this process (ATOM; vLLM with its engine core in-process)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    files: list[Path] = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield files
+    path = Path(f"{stem}.trace.json.gz")
+    prof.export_chrome_trace(str(path))
+    files.append(path)
 
 
 class AtomEngine:
@@ -48,6 +64,8 @@ class AtomEngine:
             len(o.outputs[0].token_ids) for o in self.llm.generate(prompts, params, use_tqdm=False)
         ]
 
+    trace = staticmethod(in_process_trace)
+
 
 class VllmEngine:
     def __init__(self, job: dict):
@@ -71,6 +89,9 @@ class VllmEngine:
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
         )
         return [len(o.outputs[0].token_ids) for o in outputs]
+
+    # The bench runs vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0 when it profiles.
+    trace = staticmethod(in_process_trace)
 
 
 class SglangEngine:
@@ -96,6 +117,17 @@ class SglangEngine:
         outputs = self.engine.generate(input_ids=prompts, sampling_params=params)
         return [len(o["output_ids"]) for o in outputs]
 
+    @contextmanager
+    def trace(self, stem: Path) -> Iterator[list[Path]]:
+        """SGLang's scheduler process records the trace (its profiling requests)."""
+        files: list[Path] = []
+        self.engine.start_profile(
+            output_dir=str(stem.parent), profile_prefix=stem.name, activities=["CPU", "GPU"]
+        )
+        yield files
+        self.engine.stop_profile()
+        files += sorted(stem.parent.glob(f"{stem.name}-*.trace.json.gz"))
+
     def close(self) -> None:
         self.engine.shutdown()
 
@@ -113,9 +145,20 @@ def run(job: dict) -> None:
         emit("start", workload=workload.name)
         warm = warmup_workload(workload)
         engine.generate(prompts[: warm.num_prompts], warm.output_len)
-        t = time.perf_counter()
-        lengths = engine.generate(prompts, workload.output_len)
-        elapsed = time.perf_counter() - t
+        profile_dir = job.get("profile_dir")
+        stem = (
+            Path(profile_dir) / f"{job['tag']}.{workload.name.replace('->', '-')}"
+            if profile_dir
+            else None
+        )
+        with engine.trace(stem) if stem else nullcontext([]) as trace_files:
+            t = time.perf_counter()
+            lengths = engine.generate(prompts, workload.output_len)
+            elapsed = time.perf_counter() - t
+        if stem:
+            report = Path(f"{stem}.txt")
+            report.write_text(summarize(trace_files))
+            emit("profile", workload=workload.name, report=str(report))
         output_tokens = sum(lengths)
         emit(
             "result",

@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="delete each shape's checkpoint after its runs (for small disks)",
     )
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="record a torch-profiler trace of each timed run and write a kernel/idle "
+        "summary next to it in OUT/profiles (slows the runs; use short workloads)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=3600, help="seconds per engine and shape (default 3600)"
     )
     for host in ("atom", "vllm", "sglang"):
@@ -149,12 +155,18 @@ def run_engine(spec: EngineSpec, shape: Shape, folder: Path, args, clock: _Clock
                 seed=args.seed,
                 workloads=[asdict(w) for w in args.workload_list],
                 options=options,
+                tag=tag,
+                profile_dir=str(Path(args.out).resolve() / "profiles") if args.profile else None,
             )
         )
     )
     log_path = work / "logs" / f"{tag}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = engine_env(spec, {"vllm": args.vllm_path, "sglang": args.sglang_path}, work)
+    if args.profile:
+        (Path(args.out) / "profiles").mkdir(parents=True, exist_ok=True)
+        # The profiler in the driver sees vLLM's model only with its engine core in-process.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     where = f"{shape.name} / {spec.name}"
     clock.say(f"{where}: starting ({spec.description}); log: {log_path}")
     results: dict[str, dict] = {}
@@ -187,6 +199,9 @@ def run_engine(spec: EngineSpec, shape: Shape, folder: Path, args, clock: _Clock
                 elif event["event"] == "start":
                     current, current_since = event["workload"], now
                     clock.say(f"{where}: running {current}")
+                elif event["event"] == "profile":
+                    clock.say(f"{where}: {event['workload']}: profile summary {event['report']}")
+                    print(Path(event["report"]).read_text(), flush=True)
                 elif event["event"] == "result":
                     results[event["workload"]] = event
                     clock.say(
