@@ -49,6 +49,7 @@ def _device_backends(device_type: str) -> tuple[str, ...]:
         return ("torch",)
     order = []
     if torch.version.hip is not None and importlib.util.find_spec("aiter") is not None:
+        importlib.import_module("atom.kernels.aiter")  # registers the aiter adapters
         order.append("aiter")
     if importlib.util.find_spec("triton") is not None:
         importlib.import_module("atom.kernels.triton")  # registers the Triton implementations
@@ -58,7 +59,7 @@ def _device_backends(device_type: str) -> tuple[str, ...]:
 
 
 @functools.cache
-def _select(op: str, device_type: str, forced: str | None) -> Callable:
+def _select(op: str, device_type: str, forced: str | None, skip: str | None = None) -> Callable:
     impls = _IMPLS.get(op)
     if not impls:
         raise KeyError(f"no kernel registered for op {op!r}")
@@ -66,13 +67,19 @@ def _select(op: str, device_type: str, forced: str | None) -> Callable:
     if forced is not None:
         candidates = tuple(b for b in candidates if b == forced) + ("torch",)
     for backend in candidates:
-        if backend in impls:
+        if backend != skip and backend in impls:
             return impls[backend]
     raise KeyError(f"op {op!r} has no implementation for device {device_type!r}")
 
 
 def dispatch(op: str, device: torch.device) -> Callable:
     return _select(op, device.type, _forced_backend())
+
+
+def fallback(op: str, device: torch.device, declining: str) -> Callable:
+    """What `dispatch` would pick if backend `declining` did not offer `op`: for an
+    implementation that cannot take some input (dtype, shape) and hands it on."""
+    return _select(op, device.type, _forced_backend(), declining)
 
 
 def selected_backend(op: str, device: torch.device | str) -> str:
