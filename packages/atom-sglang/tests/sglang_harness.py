@@ -18,108 +18,30 @@ from typing import Any
 
 import sglang_cpu_support
 
+from atom.testing import DEEPSEEK_YARN_ROPE, tiny_config, tiny_fields
+from atom.testing import write_checkpoint as write_tiny_checkpoint
+
 HERE = Path(__file__).parent
 JOB_SCRIPT = HERE / "sglang_job.py"
 BEGIN_TAG = "ATOM_JOB_BEGIN "
 RESULT_TAG = "ATOM_JOB_RESULT "
-VOCAB = 512
+VOCAB = tiny_fields("LlamaForCausalLM")["vocab_size"]  # every architecture's
 MAX_TOKENS = 8
 
 # --------------------------------------------------------------------------- checkpoints
 
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-_MLA = dict(
-    vocab_size=VOCAB,
-    hidden_size=128,
-    intermediate_size=256,
-    moe_intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=None,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-_YARN = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 128,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "rope_theta": 10000.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.8,
+# DeepSeek-V3 checkpoints here add q-LoRA and YaRN with mscale to atom.testing's shape.
+OVERRIDES = {
+    "DeepseekV3ForCausalLM": dict(q_lora_rank=48, rope_parameters=DEEPSEEK_YARN_ROPE),
 }
 
 
-def tiny_config(architecture: str):
-    """A tiny random HF config of `architecture` (2 layers, vocab 512)."""
-    import transformers
-
-    configs = {
-        "LlamaForCausalLM": lambda: transformers.LlamaConfig(**_COMMON),
-        "Qwen3ForCausalLM": lambda: transformers.Qwen3Config(**_COMMON),
-        "Qwen3MoeForCausalLM": lambda: transformers.Qwen3MoeConfig(
-            **_COMMON,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        ),
-        "DeepseekV2ForCausalLM": lambda: transformers.DeepseekV2Config(**_MLA),
-        # V3: q-LoRA, group-limited routing with a scaling factor, yarn rope with mscale.
-        "DeepseekV3ForCausalLM": lambda: transformers.DeepseekV3Config(
-            **{**_MLA, "q_lora_rank": 48},
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            rope_parameters=_YARN,
-        ),
-        "GPT2LMHeadModel": lambda: transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512
-        ),
-    }
-    return configs[architecture]()
-
-
 def write_checkpoint(architecture: str, folder: Path, seed: int = 0, init_std: float = 0.1) -> Path:
-    """Saves a random fp32 model (safetensors + config.json); larger weights than HF's
-    0.02 init give fewer near-ties in the logits."""
-    import torch
-    import transformers
-
-    config = tiny_config(architecture)
-    config.dtype = torch.float32
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, init_std)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    """A random fp32 checkpoint of atom.testing's tiny `architecture` (2 layers, head_dim
+    32: vLLM's CPU attention needs >= 32); weights of std 0.1 rather than HF's 0.02 give
+    fewer near-ties in the logits."""
+    config = tiny_config(architecture, **OVERRIDES.get(architecture, {}))
+    return write_tiny_checkpoint(config, folder, seed=seed, init_std=init_std)
 
 
 def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:

@@ -15,30 +15,9 @@ import transformers
 
 from atom.config import ModelConfig
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
+from atom.testing import write_checkpoint  # noqa: F401  (the suites import it from here)
 
 FP32_ATOL = 1e-4
-
-
-def write_checkpoint(
-    config: transformers.PretrainedConfig,
-    folder: Path,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    max_shard_size: str | None = None,
-    init_std: float | None = None,
-) -> Path:
-    """Saves a random HF model for `config` as safetensors (sharded if max_shard_size)."""
-    torch.manual_seed(seed)
-    config.dtype = dtype
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if init_std is not None:
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() > 1:
-                    param.normal_(0.0, init_std)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(folder, safe_serialization=True, **kwargs)
-    return folder
 
 
 def load_hf(folder: Path, dtype: torch.dtype = torch.float32):

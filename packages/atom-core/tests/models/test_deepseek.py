@@ -10,62 +10,38 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 
+from atom.testing import DEEPSEEK_YARN_ROPE, tiny_config, tiny_fields
 from tests.models.harness import check_against_hf, check_greedy_generation, write_checkpoint
 
 # Weights of std 0.1 make routing and attention decisive, so a wrong detail shows in logits.
 INIT_STD = 0.1
 
-SHAPE = dict(
+# Smaller than atom.testing's defaults (ATOM's paged path has no head_dim floor).
+SMALL = dict(
     vocab_size=256,
     hidden_size=64,
     intermediate_size=96,
     moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
     kv_lora_rank=32,
-    q_lora_rank=None,
     qk_nope_head_dim=16,
     qk_rope_head_dim=8,
     v_head_dim=12,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
     first_k_dense_replace=0,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
 )
 
 # HF 5.12's DeepseekV2Attention leaves the softmax scale without yarn's mscale_all_dim
 # factor (DeepSeek's own code and vLLM apply it; ATOM does too), so V2 is compared with
 # yarn that has no mscale_all_dim; V3 covers the mscale path.
-V2_YARN = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 128,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "rope_theta": 10000.0,
-}
-V3_YARN = {**V2_YARN, "mscale": 1.0, "mscale_all_dim": 0.8}
+V2_YARN = {k: v for k, v in DEEPSEEK_YARN_ROPE.items() if not k.startswith("mscale")}
+V3_YARN = DEEPSEEK_YARN_ROPE
 
 
 def v2_config(**overrides) -> DeepseekV2Config:
-    fields = {**SHAPE, "architectures": ["DeepseekV2ForCausalLM"], **overrides}
-    return DeepseekV2Config(**fields)
+    return tiny_config("DeepseekV2ForCausalLM", **{**SMALL, **overrides})
 
 
 def v3_config(**overrides) -> DeepseekV3Config:
-    fields = {
-        **SHAPE,
-        "n_group": 4,
-        "topk_group": 2,
-        "routed_scaling_factor": 2.5,
-        "architectures": ["DeepseekV3ForCausalLM"],
-        **overrides,
-    }
-    return DeepseekV3Config(**fields)
+    return tiny_config("DeepseekV3ForCausalLM", **{**SMALL, **overrides})
 
 
 CASES = {
@@ -156,7 +132,7 @@ def test_bf16_logits_close_to_hf(tmp_path):
         num_hidden_layers=3,
         n_group=1,
         topk_group=1,
-        num_experts_per_tok=SHAPE["n_routed_experts"],
+        num_experts_per_tok=tiny_fields("DeepseekV3ForCausalLM")["n_routed_experts"],
     )
     folder = write_deepseek(config, tmp_path, dtype=torch.bfloat16)
     check_against_hf(folder, [5, 17], decode_steps=3, dtype=torch.bfloat16, atol=8e-2)

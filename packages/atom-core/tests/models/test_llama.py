@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
+from atom.testing import tiny_config
 from tests.models.harness import check_against_hf, check_greedy_generation, write_checkpoint
 
 LLAMA3_ROPE = {
@@ -18,39 +19,17 @@ LLAMA3_ROPE = {
 }
 
 
+# Smaller than atom.testing's defaults (ATOM's paged path has no head_dim floor).
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128)
+
+
 def llama_config(**overrides) -> LlamaConfig:
-    fields = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-    )
-    fields.update(overrides)
-    return LlamaConfig(**fields)
+    fields = {**SMALL, "head_dim": 16, "rms_norm_eps": 1e-5, **overrides}
+    return tiny_config("LlamaForCausalLM", **fields)
 
 
 def qwen3_config(**overrides) -> Qwen3Config:
-    fields = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    fields.update(overrides)
-    return Qwen3Config(**fields)
+    return tiny_config("Qwen3ForCausalLM", **{**SMALL, "tie_word_embeddings": True, **overrides})
 
 
 CASES = {

@@ -6,46 +6,22 @@ import pytest
 import torch
 from transformers import MixtralConfig, Qwen3MoeConfig
 
+from atom.testing import tiny_config
 from tests.models.harness import check_against_hf, check_greedy_generation, write_checkpoint
+
+# Smaller than atom.testing's defaults (ATOM's paged path has no head_dim floor).
+SMALL = dict(vocab_size=256, hidden_size=64)
 
 
 def qwen3_moe_config(**overrides) -> Qwen3MoeConfig:
-    fields = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        architectures=["Qwen3MoeForCausalLM"],
-    )
-    fields.update(overrides)
-    return Qwen3MoeConfig(**fields)
+    fields = {**SMALL, "intermediate_size": 96, "moe_intermediate_size": 32, **overrides}
+    return tiny_config("Qwen3MoeForCausalLM", **fields)
 
 
 def mixtral_config(**overrides) -> MixtralConfig:
-    fields = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        architectures=["MixtralForCausalLM"],
-    )
-    fields.update(overrides)
-    return MixtralConfig(**fields)
+    # head_dim None: HF derives hidden_size / heads.
+    fields = {**SMALL, "intermediate_size": 48, "head_dim": None, "rms_norm_eps": 1e-5, **overrides}
+    return tiny_config("MixtralForCausalLM", **fields)
 
 
 CASES = {

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import Qwen3Config
 
 from atom.config import ModelConfig
 from atom.distributed import SingleProcessGroup, TorchDistributedGroup, set_tp_group
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
+from atom.testing import tiny_config
 from tests.models.harness import make_prompts, write_checkpoint
 from tests.models.test_deepseek import CASES as DEEPSEEK_CASES
 from tests.models.test_llama import llama_config
@@ -65,15 +65,8 @@ def _free_port() -> int:
 CASES = {
     "llama-gqa": llama_config(num_attention_heads=4, num_key_value_heads=2),
     "llama-kv-replicated": llama_config(num_key_value_heads=1, tie_word_embeddings=True),
-    "qwen3-odd-vocab": Qwen3Config(
-        vocab_size=251,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        architectures=["Qwen3ForCausalLM"],
+    "qwen3-odd-vocab": tiny_config(
+        "Qwen3ForCausalLM", vocab_size=251, hidden_size=64, intermediate_size=96, head_dim=16
     ),
     "deepseek-v3-mla-qlora": DEEPSEEK_CASES["v3-grouped-qlora-dense1"],
     "qwen3-moe": MOE_CASES["qwen3-moe-top2-norm"],

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from atom.bench.workloads import BenchError
+from atom.testing import tiny_fields
 
 DEFAULT_SHAPES = "qwen3-0.6b,qwen3-8b,qwen3-30b-a3b:24"
 
@@ -101,13 +102,10 @@ SHAPES = {
         "tiny",
         "Qwen3Config",
         "Qwen3ForCausalLM",
-        dict(
-            vocab_size=512,
+        tiny_fields(
+            "Qwen3ForCausalLM",
             hidden_size=64,
             intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             head_dim=16,
             max_position_embeddings=1024,
             tie_word_embeddings=True,

@@ -1,0 +1,21 @@
+"""Test support for ATOM and the host plugins' test suites (like `torch.testing`).
+
+`atom.testing.tiny_configs` makes tiny random HF configs and checkpoints; nothing here
+imports a host, and torch / transformers are imported only when a checkpoint is made.
+"""
+
+from atom.testing.tiny_configs import (
+    DEEPSEEK_YARN_ROPE,
+    config_class_name,
+    tiny_config,
+    tiny_fields,
+    write_checkpoint,
+)
+
+__all__ = [
+    "DEEPSEEK_YARN_ROPE",
+    "config_class_name",
+    "tiny_config",
+    "tiny_fields",
+    "write_checkpoint",
+]

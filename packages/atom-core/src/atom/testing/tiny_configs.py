@@ -1,0 +1,164 @@
+"""Tiny HF configs of every architecture the tests use, and random checkpoints of them.
+
+    from atom.testing import tiny_config, write_checkpoint
+
+    config = tiny_config("Qwen3ForCausalLM", tie_word_embeddings=True)
+    folder = write_checkpoint(config, tmp_path, init_std=0.1)
+
+The defaults are the smallest shapes that every host runs: two layers, vocab 512, and
+head_dim 32 because vLLM's CPU attention needs >= 32. Suites that want other values pass
+them as overrides, so every test states what it depends on. `tiny_fields` gives the
+plain field dict (no torch, no transformers import) for callers that build the config
+themselves, such as `atom.bench` in a torch-free parent process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_MHA = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+_QWEN3_MOE = dict(
+    _MHA,
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
+# MLA: kv_lora_rank / qk_*_head_dim / v_head_dim replace head_dim; the first layer is dense.
+_MLA = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=None,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+# architecture -> (transformers config class, default fields)
+_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "LlamaForCausalLM": ("LlamaConfig", _MHA),
+    "Qwen3ForCausalLM": ("Qwen3Config", _MHA),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", _QWEN3_MOE),
+    "MixtralForCausalLM": (
+        "MixtralConfig",
+        dict(_MHA, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "DeepseekV2ForCausalLM": ("DeepseekV2Config", _MLA),
+    # V3: group-limited routing (4 groups, 2 picked) with a scaling factor.
+    "DeepseekV3ForCausalLM": (
+        "DeepseekV3Config",
+        dict(_MLA, n_group=4, topk_group=2, routed_scaling_factor=2.5),
+    ),
+    # An architecture ATOM does not implement: the hosts' fall-back path.
+    "GPT2LMHeadModel": (
+        "GPT2Config",
+        dict(vocab_size=512, n_embd=128, n_layer=2, n_head=4, n_positions=512),
+    ),
+}
+
+# DeepSeek's YaRN with mscale (V3 checkpoints); a rope_parameters override.
+DEEPSEEK_YARN_ROPE = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "rope_theta": 10000.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+
+
+def _entry(architecture: str) -> tuple[str, dict[str, Any]]:
+    try:
+        return _ARCHITECTURES[architecture]
+    except KeyError:
+        known = ", ".join(_ARCHITECTURES)
+        raise KeyError(f"no tiny config for {architecture!r}; known: {known}") from None
+
+
+def config_class_name(architecture: str) -> str:
+    """The transformers config class of `architecture`, e.g. "Qwen3Config"."""
+    return _entry(architecture)[0]
+
+
+def tiny_fields(architecture: str, **overrides: Any) -> dict[str, Any]:
+    """The config fields of a tiny `architecture` (without `architectures`), overridden."""
+    fields = {name: _copy(value) for name, value in _entry(architecture)[1].items()}
+    fields.update(overrides)
+    return fields
+
+
+def tiny_config(architecture: str, **overrides: Any):
+    """A tiny random-model HF config of `architecture` (`architectures` set), overridden."""
+    import transformers
+
+    config_class = getattr(transformers, config_class_name(architecture))
+    return config_class(**tiny_fields(architecture, **overrides), architectures=[architecture])
+
+
+def write_checkpoint(
+    config,
+    folder: str | Path,
+    seed: int = 0,
+    dtype=None,
+    init_std: float | None = None,
+    max_shard_size: str | None = None,
+) -> Path:
+    """Saves a random HF model of `config` as safetensors + config.json in `folder`.
+
+    `dtype` defaults to float32. `init_std` redraws every matrix from N(0, init_std):
+    weights larger than HF's 0.02 make greedy choices decisive (fewer near-ties in the
+    logits). `max_shard_size` (e.g. "100KB") writes a sharded checkpoint.
+    """
+    import torch
+    import transformers
+
+    dtype = torch.float32 if dtype is None else dtype
+    torch.manual_seed(seed)
+    config.dtype = dtype
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if init_std is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() > 1:
+                    param.normal_(0.0, init_std)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    return Path(folder)
+
+
+def _copy(value: Any) -> Any:
+    # Lists and dicts in the defaults must not be shared between configs.
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
