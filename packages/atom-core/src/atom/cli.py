@@ -19,6 +19,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the sampler")
     parser.add_argument("--skip-tokenizer-init", action="store_true")
 
 
@@ -36,6 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        compile=args.compile,
         skip_tokenizer_init=args.skip_tokenizer_init,
     )
 

@@ -156,6 +156,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = False  # no CUDA graphs (they are GPU-only anyway)
+    compile: bool = False  # torch.compile the sampler (atom/engine/compile.py)
 
     @property
     def use_cuda_graphs(self) -> bool:

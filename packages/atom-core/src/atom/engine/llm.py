@@ -37,6 +37,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
+        compile: bool = False,
         skip_tokenizer_init: bool = False,
         async_scheduling: bool | None = None,
     ):
@@ -61,6 +62,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens
             or max(default_tokens, model_config.max_model_len),
             enforce_eager=enforce_eager,
+            compile=compile,
         )
         tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
         self.engine = LLMEngine(config, tokenizer, async_scheduling)

@@ -60,7 +60,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(compile=config.compile)
         self.eos_token_ids = _eos_ids(config.model.hf_config, tokenizer)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()

@@ -9,12 +9,15 @@ seeded rows draw their noise from their own device generator.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from collections.abc import Sequence as Rows
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from atom.engine.compile import compiled
 from atom.engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
 
@@ -77,33 +80,83 @@ def apply_penalties(
     return logits
 
 
-def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled logits [B, vocab] with each row's top-k, top-p and min-p applied
-    (-inf elsewhere). Rows must not be greedy."""
-    logits = logits / _column([p.temperature for p in params], logits)
-    vocab = logits.shape[-1]
+def filter_columns(
+    params: list[SamplingParams], like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row (temperature, top_k, top_p, min_p) columns [R, 1] for `filter_scaled`; a
+    filter no row uses is None, so its work is skipped."""
+    vocab = like.shape[-1]
     top_k = [min(p.top_k, vocab) if p.top_k else vocab for p in params]
     top_p = [p.top_p for p in params]
-    if min(top_k) < vocab or min(top_p) < 1.0:
+    min_p = [p.min_p for p in params]
+    return (
+        _column([p.temperature for p in params], like),
+        torch.tensor(top_k).to(like.device, non_blocking=True)[:, None]
+        if min(top_k) < vocab
+        else None,
+        _column(top_p, like) if min(top_p) < 1.0 else None,
+        _column(min_p, like) if max(min_p) > 0 else None,
+    )
+
+
+def filter_scaled(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Temperature-scaled logits [R, vocab] with each row's top-k, top-p and min-p applied
+    (-inf elsewhere); the columns come from `filter_columns`."""
+    logits = logits / temperature
+    if top_k is not None or top_p is not None:
         sorted_logits, order = logits.sort(-1, descending=True)
-        if min(top_k) < vocab:
-            k = torch.tensor(top_k).to(logits.device, non_blocking=True)[:, None]
-            threshold = sorted_logits.gather(1, k - 1)
+        if top_k is not None:
+            threshold = sorted_logits.gather(1, top_k - 1)
             logits = logits.masked_fill(logits < threshold, NEG_INF)
             sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, NEG_INF)
-        if min(top_p) < 1.0:
+        if top_p is not None:
             probs = sorted_logits.softmax(-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays);
             # rows with top_p == 1 keep everything even where rounding lifts the sum past 1.
-            p = _column(top_p, logits)
-            remove = ((probs.cumsum(-1) - probs) >= p) & (p < 1.0)
+            remove = ((probs.cumsum(-1) - probs) >= top_p) & (top_p < 1.0)
             logits = logits.scatter(1, order, sorted_logits.masked_fill(remove, NEG_INF))
-    min_p = [p.min_p for p in params]
-    if max(min_p) > 0:
+    if min_p is not None:
         probs = logits.softmax(-1)
-        floor = _column(min_p, logits) * probs.amax(-1, keepdim=True)
+        floor = min_p * probs.amax(-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, NEG_INF)
     return logits
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`filter_scaled` with the rows' own params. Rows must not be greedy."""
+    return filter_scaled(logits, *filter_columns(params, logits))
+
+
+def draw(
+    logits: torch.Tensor,
+    noise: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """One token per row [R] from the filtered distribution, given Exp(1) `noise` [R, vocab]."""
+    probs = filter_scaled(logits, temperature, top_k, top_p, min_p).softmax(-1)
+    return (probs / noise).argmax(-1)
+
+
+def pick(
+    logits: torch.Tensor, drawn: torch.Tensor | None = None, index: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B] (the argmax, except rows `index` take `drawn`; every row when index is
+    None) and [B, 2] float64 rows (token, its logprob) for the host copy. The logprob is a
+    log_softmax of `logits`, the model's view of each token before temperature."""
+    tokens = logits.argmax(-1)
+    if drawn is not None:
+        tokens = drawn if index is None else tokens.index_put((index,), drawn)
+    chosen = logits.gather(1, tokens[:, None]) - logits.logsumexp(-1, keepdim=True)
+    return tokens, torch.cat([tokens[:, None].double(), chosen.double()], 1)
 
 
 def _topk_columns(logprobs: torch.Tensor, k: int) -> list[torch.Tensor]:
@@ -137,10 +190,21 @@ def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
+@functools.cache
+def compiled_draw_and_pick() -> tuple[Callable, Callable]:
+    """One compiled pair per process, shared by every engine's sampler."""
+    return compiled(draw), compiled(pick)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0):
+    """compile: run `draw` and `pick` (the [B, vocab] math of a step) through torch.compile;
+    penalties, blocked tokens and the noise draws stay eager (host-built indices, per-row
+    generators)."""
+
+    def __init__(self, seed: int = 0, compile: bool = False):
         self.seed = seed
         self.default_generators: dict[torch.device, torch.Generator] = {}
+        self.draw, self.pick = compiled_draw_and_pick() if compile else (draw, pick)
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self.default_generators:
@@ -177,18 +241,20 @@ class Sampler:
         if pairs:
             rows, cols = zip(*pairs)
             logits[list(rows), list(cols)] = NEG_INF
-        tokens = logits.argmax(-1)
+        drawn = index = None
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            probs = filter_logits(logits[random_rows], [params[i] for i in random_rows]).softmax(-1)
-            noise = self._noise([seqs[i] for i in random_rows], probs)
-            index = torch.tensor(random_rows).to(logits.device, non_blocking=True)
-            tokens[index] = (probs / noise).argmax(-1)
-        # log_softmax of the penalised, untempered logits: the model's view of each token.
-        chosen = logits.gather(1, tokens[:, None]) - logits.logsumexp(-1, keepdim=True)
+            every_row = len(random_rows) == len(params)
+            if not every_row:
+                index = torch.tensor(random_rows).to(logits.device, non_blocking=True)
+            sampled = logits if every_row else logits[index]
+            columns = filter_columns([params[i] for i in random_rows], sampled)
+            noise = self._noise([seqs[i] for i in random_rows], sampled)
+            drawn = self.draw(sampled, noise, *columns)
+        tokens, packed = self.pick(logits, drawn, index)
         k = max((p.logprobs or 0 for p in params), default=0)
-        top = _topk_columns(logits.log_softmax(-1), k) if k else []
-        packed = torch.cat([tokens[:, None].double(), chosen.double(), *top], 1)
+        if k:
+            packed = torch.cat([packed, *_topk_columns(logits.log_softmax(-1), k)], 1)
         return PendingSamples(tokens, packed, params, k)
 
     def sample(
