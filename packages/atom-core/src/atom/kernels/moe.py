@@ -6,19 +6,7 @@ import torch
 
 from atom.kernels.activation import silu_and_mul
 from atom.kernels.fp8 import dequantize_fp8, fp8_scaled_mm, quantize_fp8_per_token_group
-from atom.kernels.policy import dispatch, register
-
-
-def capturable(fn):
-    """Marks an implementation that never waits on the host (no data-dependent shapes or
-    .item()), so a CUDA graph can capture it."""
-    fn.cuda_graph_safe = True
-    return fn
-
-
-def is_capturable(op: str, device: torch.device) -> bool:
-    """Whether the implementation `op` dispatches to on `device` can run in a CUDA graph."""
-    return getattr(dispatch(op, device), "cuda_graph_safe", False)
+from atom.kernels.policy import capturable, dispatch, register
 
 
 @register("topk_softmax", "torch")

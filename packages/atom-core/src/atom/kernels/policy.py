@@ -33,6 +33,13 @@ def register(op: str, backend: str) -> Callable[[Callable], Callable]:
     return decorator
 
 
+def capturable(fn: Callable) -> Callable:
+    """Marks an implementation that never waits on the host (no data-dependent shapes or
+    .item()), so a CUDA graph can capture it."""
+    fn.cuda_graph_safe = True
+    return fn
+
+
 def _forced_backend() -> str | None:
     value = os.environ.get("ATOM_KERNELS", "").strip().lower()
     if not value:
@@ -80,6 +87,11 @@ def fallback(op: str, device: torch.device, declining: str) -> Callable:
     """What `dispatch` would pick if backend `declining` did not offer `op`: for an
     implementation that cannot take some input (dtype, shape) and hands it on."""
     return _select(op, device.type, _forced_backend(), declining)
+
+
+def is_capturable(op: str, device: torch.device) -> bool:
+    """Whether the implementation `op` dispatches to on `device` can run in a CUDA graph."""
+    return getattr(dispatch(op, device), "cuda_graph_safe", False)
 
 
 def selected_backend(op: str, device: torch.device | str) -> str:

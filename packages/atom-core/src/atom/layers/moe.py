@@ -12,7 +12,7 @@ from torch import nn
 
 from atom.distributed import divide, get_tp_group
 from atom.kernels import fused_moe, grouped_topk, topk_softmax
-from atom.kernels.moe import is_capturable
+from atom.kernels.policy import is_capturable
 from atom.layers.quantization import QuantizationConfig, set_weight_attrs
 
 # Checkpoint shard names: w1 = gate, w3 = up (both in w13), w2 = down.

@@ -6,8 +6,7 @@ import aiter
 import torch
 
 from atom.kernels.aiter.common import next_backend
-from atom.kernels.moe import capturable
-from atom.kernels.policy import register
+from atom.kernels.policy import capturable, register
 
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The case aiter's fused kernel is written for (Mixtral's 8, Qwen3-MoE's 128 experts);

@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 from atom.kernels.fp8 import FP8_DTYPE, quantize_fp8_per_token_group
-from atom.kernels.moe import capturable
-from atom.kernels.policy import register
+from atom.kernels.policy import capturable, register
 from atom.kernels.triton.moe_align import align_to_experts
 
 # Weight scale kinds (constexpr SCALES).

@@ -24,8 +24,7 @@ import triton.language as tl
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels.mla import mla_decode_attention_torch
-from atom.kernels.moe import capturable
-from atom.kernels.policy import register
+from atom.kernels.policy import capturable, register
 from atom.kernels.triton.kv_cache import write_kv_cache_triton
 from atom.kernels.triton.paged_attention import (
     _load_page_rows,

@@ -11,8 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.moe import capturable
-from atom.kernels.policy import register
+from atom.kernels.policy import capturable, register
 
 _BLOCK_T = 4
 
