@@ -51,6 +51,39 @@ def _load_page_rows(cache_ptr, table_row_ptr, n, n_valid, head, stride_b, stride
 
 
 @triton.jit
+def _block_scores(q, k, n, kv_end, q_pos, window, scale, soft_cap, MASKED: tl.constexpr,
+                  USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """q @ k^T for keys at positions n, scaled into the log2 domain and masked.
+
+    Unmasked blocks lie wholly below every row's causal bound and inside kv_end, so
+    they skip the bounds checks; only the diagonal and the ragged tail pay for them.
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if USE_SOFT_CAP:
+        s = s * scale
+        s = soft_cap * (2 * tl.sigmoid(2 * s / soft_cap) - 1) * LOG2E  # tanh
+    else:
+        s = s * (scale * LOG2E)
+    if MASKED:
+        allowed = (n[None, :] <= q_pos[:, None]) & (n < kv_end)[None, :]
+        if USE_WINDOW:
+            allowed &= n[None, :] > q_pos[:, None] - window
+        s = tl.where(allowed, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _fold_block(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """Folds a block's log2-domain scores and values into the online-softmax state."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _attend_block(
     q, m_i, l_i, acc, start, kv_end, q_pos, window,
     k_cache_ptr, v_cache_ptr, table_row, kv_head,
@@ -59,34 +92,16 @@ def _attend_block(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Folds keys [start, start + BLOCK_N) into the online-softmax state (log2 domain).
-
-    Unmasked blocks lie wholly below every row's causal bound and inside kv_end, so
-    they skip the bounds checks; only the diagonal and the ragged tail pay for them.
-    """
+    """Folds keys [start, start + BLOCK_N), gathered row by row from their pages."""
     n = start + tl.arange(0, BLOCK_N)
     n_valid = n < kv_end
     k = _load_page_rows(k_cache_ptr, table_row, n, n_valid, kv_head, k_stride_b, k_stride_s,
                         k_stride_h, dims, dims < head_dim, block_size)  # fmt: skip
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if USE_SOFT_CAP:
-        s = s * scale
-        s = soft_cap * (2 * tl.sigmoid(2 * s / soft_cap) - 1) * LOG2E  # tanh
-    else:
-        s = s * (scale * LOG2E)
-    if MASKED:
-        allowed = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        if USE_WINDOW:
-            allowed &= n[None, :] > q_pos[:, None] - window
-        s = tl.where(allowed, s, float("-inf"))
+    s = _block_scores(q, k, n, kv_end, q_pos, window, scale, soft_cap,
+                      MASKED, USE_SOFT_CAP, USE_WINDOW, PRECISION)  # fmt: skip
     v = _load_page_rows(v_cache_ptr, table_row, n, n_valid, kv_head, v_stride_b, v_stride_s,
                         v_stride_h, vdims, vdims < v_head_dim, block_size)  # fmt: skip
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
+    return _fold_block(s, v, m_i, l_i, acc, PRECISION)
 
 
 @triton.jit
@@ -327,6 +342,20 @@ def decode_attention(
 
 
 def prefill_attention(
+    query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
+):
+    """TMA-fed kernel on Hopper and newer where the cache layout allows, else gathered rows."""
+    # Imported here: the TMA kernel builds on this module's block helpers.
+    from atom.kernels.triton import paged_prefill_tma
+
+    if paged_prefill_tma.supports(query, key_cache, value_cache):
+        kernel = paged_prefill_tma.prefill_attention_tma
+    else:
+        kernel = prefill_attention_gathered
+    kernel(query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out)
+
+
+def prefill_attention_gathered(
     query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
 ):
     num_prefills = metadata.num_seqs - metadata.num_decodes
