@@ -72,6 +72,8 @@ SGLANG_DEPS = (
     "msgspec", "pydantic", "pyzmq", "tqdm", "ipython", "aiohttp", "uvloop", "dill",
     "apache-tvm-ffi==0.1.11", "sentencepiece", "compressed-tensors", "gguf", "openai==2.6.1",
     "partial_json_parser", "uvicorn", "fastapi", "setproctitle", "einops", "safetensors",
+    # `sglang.launch_server`'s HTTP front end (test_sglang_server.py) imports these too.
+    "jsonschema", "soundfile", "python-multipart",
 )  # fmt: skip
 # Imported by SGLang but coupled to torch: installed without dependencies.
 SGLANG_NO_DEPS = ("sglang==0.5.17", "triton==3.6.0", "torchvision==0.28.0", "xgrammar==0.2.1")
