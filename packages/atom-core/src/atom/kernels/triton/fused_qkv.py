@@ -56,7 +56,9 @@ def _norm_rope_heads(
         tl.store(dst + rest, xr.to(out_ty), mask=rest_mask)
 
 
-@triton.jit
+# The token count changes every step: specialising on it (==1, %16) would recompile
+# the kernel mid-serving.
+@triton.jit(do_not_specialize=["num_slots"])
 def _fused_qkv_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, key_cache_ptr, value_cache_ptr,
     positions_ptr, cos_sin_ptr, slot_ptr, q_norm_ptr, k_norm_ptr,

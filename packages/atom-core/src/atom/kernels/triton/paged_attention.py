@@ -104,7 +104,9 @@ def _attend_block(
     return _fold_block(s, v, m_i, l_i, acc, PRECISION)
 
 
-@triton.jit
+# seq_offset (the batch's decode count) and num_splits change from step to step:
+# specialising on them (==1, %16) would recompile the kernels mid-serving.
+@triton.jit(do_not_specialize=["seq_offset"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
@@ -183,7 +185,7 @@ def _prefill_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     block_table_ptr, seq_lens_ptr, query_start_ptr,
@@ -234,7 +236,7 @@ def _decode_split_kernel(
              mask=row_valid[:, None] & (vdims < v_head_dim)[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, query_start_ptr,
     o_stride_t, o_stride_h, num_q_heads, num_splits, v_head_dim,

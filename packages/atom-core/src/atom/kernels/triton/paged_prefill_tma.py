@@ -144,7 +144,7 @@ def _attend_tile(
         )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_offset"])  # the decode count varies per step
 def _prefill_tma_kernel(
     q_desc, k_desc, v_desc, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
     o_stride_t, o_stride_h, bt_stride, scale, soft_cap, window, group, block_size, seq_offset,
