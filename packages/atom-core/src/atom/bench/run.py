@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -218,6 +219,10 @@ def run_engine(spec: EngineSpec, shape: Shape, folder: Path, args, clock: _Clock
                 clock.say(f"{where}: timed out after {args.timeout:.0f} s")
                 break
         returncode = proc.wait()
+    # Workers an engine leaves behind (compile pools, engine cores) would share the
+    # machine with the next engine and skew its figures.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     if returncode and len(results) < len(args.workload_list):
         tail = log_path.read_text()[-2000:]
         clock.say(f"{where}: FAILED (exit {returncode}); end of its log:\n{tail}")
