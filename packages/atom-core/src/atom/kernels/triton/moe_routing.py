@@ -52,7 +52,9 @@ def _topk_softmax_kernel(
     logits = tl.where(valid, logits.to(tl.float32), float("-inf"))
     exp = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = exp / tl.sum(exp, axis=1)[:, None]
-    choice = tl.where(valid, probs, float("-inf"))
+    # NaN scores (garbage activations, e.g. a host's dummy run over an unwritten cache)
+    # must still select real experts: an id past the table would index out of bounds.
+    choice = tl.where(valid & (probs == probs), probs, float("-inf"))
     k_cols = tl.arange(0, BLOCK_K)
     sel_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     sel_ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
@@ -89,7 +91,7 @@ def _grouped_topk_kernel(
     choice = scores
     if HAS_BIAS:  # the bias steers selection only; weights stay the unbiased scores
         choice += tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
-    choice = tl.where(valid, choice, float("-inf"))
+    choice = tl.where(valid & (choice == choice), choice, float("-inf"))  # NaN: see above
     if NUM_GROUPS > 1:
         best = tl.max(choice, axis=2)
         if HAS_BIAS:  # DeepSeek-V3 ranks a group by the sum of its two best experts
