@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from atom import LLM, SamplingParams
-from atom.engine.sampler import Sampler, compiled_draw_and_pick, pick
+from atom.engine.sampler import Sampler, compiled_pick, pick
 from atom.engine.sequence import Sequence
 from tests.models.harness import make_prompts, write_checkpoint
 from tests.models.test_llama import qwen3_config
@@ -48,7 +48,7 @@ def test_compiled_sampler_matches_eager(params):
 
 def _engine_tokens(folder, compile: bool, prompts, params, **kwargs) -> list[list[int]]:
     llm = LLM(str(folder), dtype="float32", skip_tokenizer_init=True, compile=compile, **kwargs)
-    assert llm.engine.sampler.pick is (compiled_draw_and_pick()[1] if compile else pick)
+    assert llm.engine.sampler.pick is (compiled_pick() if compile else pick)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 

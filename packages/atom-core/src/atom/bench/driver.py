@@ -1,8 +1,8 @@
 """One engine in its own process: `python -m atom.bench.driver JOB.json`.
 
-Loads the engine once, then per workload runs a short warm-up and the timed generation
-(greedy, ignore_eos, fixed output length). Events go to stdout as `BENCH_EVENT {json}`
-lines, which the parent shows as progress and collects as results.
+Loads the engine once, then per workload runs a warm-up of the same batch shape and the
+timed generation (greedy, ignore_eos, fixed output length). Events go to stdout as
+`BENCH_EVENT {json}` lines, which the parent shows as progress and collects as results.
 
 The host (vLLM, SGLang) is imported by the name the job gives, in this process only:
 `atom` itself never depends on a host (DESIGN.md §1); the bench launches hosts as peers.
@@ -144,7 +144,8 @@ def run(job: dict) -> None:
         prompts = make_prompts(workload, job["vocab_size"], job["seed"])
         emit("start", workload=workload.name)
         warm = warmup_workload(workload)
-        engine.generate(prompts[: warm.num_prompts], warm.output_len)
+        # Other prompts than the timed ones: the timed run must not hit the prefix cache.
+        engine.generate(make_prompts(warm, job["vocab_size"], job["seed"] + 1), warm.output_len)
         profile_dir = job.get("profile_dir")
         stem = (
             Path(profile_dir) / f"{job['tag']}.{workload.name.replace('->', '-')}"
