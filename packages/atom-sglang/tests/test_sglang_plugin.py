@@ -290,3 +290,25 @@ def test_mla_backend_matches_latent_mqa(prefix_lens, new_lens):
     want = reference(q, hist, prefix_lens, new_lens, (latent + rope) ** -0.5)
     torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool.kv[batch.out_cache_loc], k_new)
+
+
+def test_atom_models_keep_prefill_out_of_cuda_graphs(checkpoints):
+    """SGLang's GPU default captures prefill through a decoder-body signature ATOM's
+    models do not have (atom_sglang.patches, change 2): building ATOM's wrapper turns
+    the prefill phase off in the published config; decode graphs stay as they were."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.runtime_context import get_exec, publish
+    from sglang.srt.server_args import ServerArgs
+
+    from atom_sglang.patches import keep_prefill_eager
+
+    args = ServerArgs(
+        model_path=str(checkpoints("Qwen3ForCausalLM")), device="cpu", skip_tokenizer_init=True
+    )
+    args.cuda_graph_config.prefill.backend = Backend.BREAKABLE  # as on a GPU
+    decode = args.cuda_graph_config.decode.backend
+    publish(args, role="test")
+    assert keep_prefill_eager()
+    assert get_exec().graph.cuda_graph_config.prefill.backend == Backend.DISABLED
+    assert args.cuda_graph_config.decode.backend == decode
+    assert not keep_prefill_eager()  # already off: nothing to change

@@ -38,6 +38,7 @@ from atom_sglang.attention_layer import (
     sglang_attention_factory,
 )
 from atom_sglang.distributed import install_sglang_tp_group
+from atom_sglang.patches import keep_prefill_eager
 
 logger = logging.getLogger("sglang.atom_sglang.model")
 
@@ -83,6 +84,8 @@ class AtomForCausalLM(nn.Module):
                 f"graphs ({', '.join(blockers)}): run SGLang with disable_cuda_graph=True "
                 "(--disable-cuda-graph)"
             )
+        if keep_prefill_eager():
+            logger.info("ATOM models run prefill without CUDA graphs (atom_sglang.patches)")
         logger.info(
             "ATOM %s (%s) built for SGLang: %d %s attention layers, kv pool %s, tp=%d/%d, "
             "dtype=%s%s",
