@@ -40,11 +40,11 @@ from atom.layers.attention import QKRope
 from atom.layers.paged_attention_impl import write_kv_and_attend
 
 BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member register() overrides
-_PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
-class AtomAttentionBackend(AttentionBackend):
-    """Declares capabilities; the work is in the builder and the impl."""
+class AtomBackendCapabilities(AttentionBackend):
+    """What ATOM's MHA and MLA backends both declare to vLLM."""
 
     # The impl writes the KV cache itself, at the start of forward (as ATOM's native impl).
     forward_includes_kv_cache_update: bool = True
@@ -58,6 +58,22 @@ class AtomAttentionBackend(AttentionBackend):
     @staticmethod
     def get_name() -> str:
         return BACKEND_NAME
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        return kv_cache_dtype is None or kv_cache_dtype in PLAIN_CACHE_DTYPES
+
+
+class AtomAttentionBackend(AtomBackendCapabilities):
+    """Declares capabilities; the work is in the builder and the impl."""
 
     @staticmethod
     def get_impl_cls() -> type[AtomAttentionImpl]:
@@ -77,21 +93,9 @@ class AtomAttentionBackend(AttentionBackend):
     ) -> tuple[int, ...]:
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
-    @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
-        return [MultipleOf(1)]
-
     @classmethod
     def supports_sliding_window(cls) -> bool:
         return True
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
-        return kv_cache_dtype is None or kv_cache_dtype in _PLAIN_CACHE_DTYPES
 
     @staticmethod
     def use_cascade_attention(*args, **kwargs) -> bool:
@@ -192,7 +196,7 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
             unsupported.append(f"attention type {attn_type}")
         if kv_sharing_target_layer_name is not None:
             unsupported.append("KV sharing between layers")
-        if kv_cache_dtype not in _PLAIN_CACHE_DTYPES:
+        if kv_cache_dtype not in PLAIN_CACHE_DTYPES:
             unsupported.append(f"kv_cache_dtype={kv_cache_dtype!r}")
         if extra_impl_args.get("sinks") is not None:
             unsupported.append("attention sinks")

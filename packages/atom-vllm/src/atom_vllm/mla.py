@@ -18,42 +18,32 @@ vLLM's `AttentionLayerBase` kind that
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 from vllm.forward_context import get_forward_context as vllm_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
+from vllm.v1.attention.backend import AttentionBackend, AttentionType
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 from atom.forward_context import set_forward_context
 from atom.layers.attention import AttentionSpec
 from atom.layers.mla_impl import NativeMLAImpl
-from atom_vllm.attention import BACKEND_NAME, AtomAttentionMetadataBuilder
-
-_PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+from atom_vllm.attention import (
+    PLAIN_CACHE_DTYPES,
+    AtomAttentionMetadataBuilder,
+    AtomBackendCapabilities,
+)
 
 
 class AtomMLAMetadataBuilder(AtomAttentionMetadataBuilder):
     """The MHA builder: MLA reads the same DESIGN.md §3 schema."""
 
 
-class AtomMLABackend(AttentionBackend):
+class AtomMLABackend(AtomBackendCapabilities):
     """Capabilities of ATOM's MLA path; the layer runs ATOM's impl itself."""
-
-    forward_includes_kv_cache_update: bool = True
-    supported_dtypes: ClassVar[list[torch.dtype]] = [
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-    ]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
-
-    @staticmethod
-    def get_name() -> str:
-        return BACKEND_NAME
 
     @staticmethod
     def get_impl_cls():
@@ -74,21 +64,9 @@ class AtomMLABackend(AttentionBackend):
     ) -> tuple[int, ...]:
         return (num_blocks, block_size, head_size)
 
-    @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
-        return [MultipleOf(1)]
-
     @classmethod
     def is_mla(cls) -> bool:
         return True
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
-        return kv_cache_dtype is None or kv_cache_dtype in _PLAIN_CACHE_DTYPES
 
 
 def step_metadata(layer_name: str):
@@ -107,7 +85,7 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
     def __init__(self, spec: AttentionSpec, vllm_config: Any):
         nn.Module.__init__(self)
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
-        if cache_dtype not in _PLAIN_CACHE_DTYPES:
+        if cache_dtype not in PLAIN_CACHE_DTYPES:
             raise NotImplementedError(
                 f"ATOM's MLA attention does not support kv_cache_dtype={cache_dtype!r}"
             )
