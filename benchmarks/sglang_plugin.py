@@ -1,8 +1,9 @@
-"""SGLang with atom-sglang vs SGLang alone on a GPU: greedy equality with CUDA graphs, throughput.
+"""SGLang with atom-sglang vs SGLang alone on a GPU: greedy equality with CUDA graphs.
 
-    export PYTHONPATH=/tmp/sgsite            # SGLang 0.5.17 staged (shared/GPU.md)
-    python benchmarks/sglang_plugin.py equality   [--out DIR]   # tiny fp32 Llama/Qwen3
-    python benchmarks/sglang_plugin.py throughput [--out DIR]   # Qwen3-0.6B shape, bf16
+    export PYTHONPATH=/tmp/sgsite:packages/atom-core/src   # SGLang staged (shared/GPU.md)
+    python benchmarks/sglang_plugin.py equality [--out DIR]   # tiny fp32 Llama/Qwen3
+
+Throughput is `atom bench --engines sglang,sglang-atom --sglang-path /tmp/sgsite`.
 
 Checkpoints, job files and engine logs go to --work (default /tmp/atom-sglang-bench);
 --out gets one JSON summary and a tar.gz of the logs. Lines starting with RESULT carry
@@ -35,6 +36,8 @@ import tarfile
 import time
 import tomllib
 from pathlib import Path
+
+from atom.testing import tiny_config, write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "packages" / "atom-core" / "src", ROOT / "packages" / "atom-sglang" / "src"]
@@ -112,27 +115,6 @@ def engine(job: dict, mode: str, work: Path, name: str) -> dict:
 # ---------------------------------------------------------------- checkpoints
 
 
-def write_checkpoint(folder: Path, arch: str, shape: dict, dtype: str, init_std=None) -> Path:
-    import torch
-    import transformers
-
-    if (folder / "config.json").exists():
-        return folder
-    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen3": transformers.Qwen3Config}
-    cfg = config_cls["Qwen3" if arch.startswith("Qwen3") else arch](**shape)
-    torch_dtype = getattr(torch, dtype)
-    cfg.dtype = torch_dtype
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
-    if init_std:
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() > 1:
-                    p.normal_(0.0, init_std)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
-
-
 def prompts(lengths, seed, vocab):
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
@@ -160,19 +142,6 @@ def hf_greedy(model_dir: Path, batch: list[list[int]], max_tokens: int) -> list[
 # ---------------------------------------------------------------- equality
 
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
-
-
 def equality(work: Path, summary: dict) -> bool:
     engine_kw = dict(
         dtype="float32",
@@ -188,7 +157,9 @@ def equality(work: Path, summary: dict) -> bool:
     )
     ok = True
     for i, arch in enumerate(["LlamaForCausalLM", "Qwen3ForCausalLM"]):
-        model = write_checkpoint(work / f"tiny-{arch}", arch, TINY, "float32", 0.1)
+        model = work / f"tiny-{arch}"
+        if not (model / "config.json").exists():
+            write_checkpoint(tiny_config(arch), model, init_std=0.1)
         prefix = prompts([48], 100 + i, 512)[0]
         rounds = [
             {"name": "batch", "prompts": prompts([3, 9, 21, 40, 75, 130], i, 512)},
@@ -230,71 +201,12 @@ def equality(work: Path, summary: dict) -> bool:
     return ok
 
 
-# ---------------------------------------------------------------- throughput
-
-QWEN3_06B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rope_theta=1000000,
-    tie_word_embeddings=True,
-)
-
-
-def throughput(work: Path, workloads, modes: list[str], summary: dict) -> None:
-    model = write_checkpoint(work / "qwen3-0.6b-rand", "Qwen3ForCausalLM", QWEN3_06B, "bfloat16")
-    rounds = []
-    for n, isl, osl in workloads:
-        ps = prompts([isl] * n, n + isl, 150000)
-        rounds.append({"name": f"warm-{n}x{isl}", "prompts": ps[: min(n, 8)], "max_tokens": 8})
-        rounds.append({"name": f"{n}x{isl}->{osl}", "prompts": ps, "max_tokens": osl})
-    engine_kw = dict(
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        sampling_backend="pytorch",
-        disable_prefill_cuda_graph=True,
-        mem_fraction_static=0.8,
-        context_length=2048,
-        random_seed=0,
-        log_level="info",
-    )
-    job = {"model": str(model), "engine": engine_kw, "rounds": rounds}
-    res = {mode: engine(job, mode, work, "tput") for mode in modes}
-    summary["throughput"] = {
-        m: {k: v for k, v in r.items() if k != "rounds"} for m, r in res.items()
-    }
-    for n, isl, osl in workloads:
-        name = f"{n}x{isl}->{osl}"
-        rates = {}
-        for mode, r in res.items():
-            if r.get("failed"):
-                continue
-            gen = sum(len(o["token_ids"]) for o in r["rounds"][name])
-            rates[mode] = gen / r["round_s"][name]
-            print(
-                f"RESULT throughput {mode} {name} out_tok_s={rates[mode]:.1f} "
-                f"init_s={r['init_s']:.1f} atom_model={r['atom_model']} "
-                f"atom_backend_ran={r['atom_backend_ran']}",
-                flush=True,
-            )
-        if len(rates) == 2:
-            ratio = rates["atom"] / rates["sglang"]
-            print(f"RESULT throughput ratio atom/sglang {name} = {ratio:.3f}", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["equality", "throughput", "engine"])
+    parser.add_argument("what", choices=["equality", "engine"])
     parser.add_argument("job", nargs="?")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--work", default="/tmp/atom-sglang-bench")
-    parser.add_argument("--workloads", default="1x128x256,256x512x256,1024x512x256")
-    parser.add_argument("--modes", default="sglang,atom", help="throughput: engines to run")
     args = parser.parse_args()
     if args.what == "engine":
         print(RESULT + json.dumps(run_engine(json.loads(Path(args.job).read_text()))), flush=True)
@@ -305,11 +217,7 @@ def main() -> None:
     summary: dict = {}
     ok = True
     try:
-        if args.what == "equality":
-            ok = equality(work, summary)
-        else:
-            workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
-            throughput(work, workloads, args.modes.split(","), summary)
+        ok = equality(work, summary)
     finally:
         (out_dir / f"sglang_plugin_{args.what}.json").write_text(json.dumps(summary))
         with tarfile.open(out_dir / f"sglang_plugin_{args.what}_logs.tar.gz", "w:gz") as tar:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from atom.bench.engines import ENGINES, engine_env
+from atom.testing import tiny_config, write_checkpoint
 
 RESULT = "ENGINE_RESULT "
 MODES = {"atom": ENGINES["vllm-atom"], "vllm": ENGINES["vllm"]}
@@ -97,46 +98,12 @@ def engine(job: dict, mode: str, work: Path, name: str) -> dict:
 # ---------------------------------------------------------------- checkpoints
 
 
-def write_checkpoint(folder: Path, arch: str, shape: dict, dtype: str, init_std=None) -> Path:
-    import torch
-    import transformers
-
-    if (folder / "config.json").exists():
-        return folder
-    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen3": transformers.Qwen3Config}
-    cfg = config_cls["Qwen3" if arch.startswith("Qwen3") else arch](**shape)
-    torch_dtype = getattr(torch, dtype)
-    cfg.dtype = torch_dtype
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
-    if init_std:
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() > 1:
-                    p.normal_(0.0, init_std)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
-
-
 def prompts(lengths, seed, vocab):
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 # ---------------------------------------------------------------- equality
-
-
-TINY = dict(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
 
 
 def equality(work: Path, summary: dict) -> bool:
@@ -156,7 +123,9 @@ def equality(work: Path, summary: dict) -> bool:
     )
     ok = True
     for i, arch in enumerate(["LlamaForCausalLM", "Qwen3ForCausalLM"]):
-        model = write_checkpoint(work / f"tiny-{arch}", arch, TINY, "float32", 0.1)
+        model = work / f"tiny-{arch}"
+        if not (model / "config.json").exists():
+            write_checkpoint(tiny_config(arch), model, init_std=0.1)
         prefix = prompts([48], 100 + i, 512)[0]
         rounds = [
             {"name": "batch", "prompts": prompts([3, 9, 21, 40, 75, 130], i, 512)},
