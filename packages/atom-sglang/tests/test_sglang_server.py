@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
@@ -24,6 +23,7 @@ from sglang_harness import ENGINE, MAX_TOKENS, VOCAB, hf_greedy, make_prompts, w
 
 from atom.demo import build_tokenizer
 from atom.registry import get_entry
+from atom.testing import wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -50,21 +50,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_healthy(proc: subprocess.Popen, base: str, log_path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
-        try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"server not healthy after {timeout} s:\n{log_path.read_text()[-6000:]}")
-        time.sleep(1)
 
 
 def stop(proc: subprocess.Popen) -> None:

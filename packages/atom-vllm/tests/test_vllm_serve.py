@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,8 @@ import requests
 import torch
 import transformers
 from vllm_harness import engine_env, make_prompts
+
+from atom.testing import wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -65,20 +66,7 @@ def server(checkpoints, tmp_path_factory):
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}"
-                )
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not come up:\n{log_path.read_text()[-6000:]}")
-            time.sleep(1)
+        wait_healthy(proc, base, log_path)
         yield base, str(model), log_path
     finally:
         proc.terminate()
