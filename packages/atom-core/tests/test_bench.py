@@ -134,17 +134,22 @@ def test_report_ratios_table_and_json(tmp_path):
     assert json.loads((tmp_path / "b.json").read_text())["results"][1]["ratio"] == 1.25
 
 
-def test_atom_bench_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("profile", [False, True])
+def test_atom_bench_end_to_end_on_cpu(tmp_path, capsys, monkeypatch, profile):
     monkeypatch.setenv("PYTHONPATH", ":".join(p for p in sys.path if p))
     out = tmp_path / "out"
     argv = ["bench", "--engines", "atom", "--shapes", "tiny", "--workloads", "2x8->4"]
     argv += ["--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(out)]
-    main(argv)
+    main(argv + ["--profile"] * profile)
     printed = capsys.readouterr().out
     assert "tiny / atom: 2x8->4:" in printed and "ratio vs atom" in printed
     (result,) = json.loads((out / "bench.json").read_text())["results"]
     assert result["output_tokens"] == 8 and result["short_outputs"] == 0
     assert result["ratio"] == 1.0 and result["output_tok_s"] > 0
+    profiles = sorted(p.name for p in (out / "profiles").glob("*")) if profile else []
+    assert profiles == (["tiny.atom.2x8-4.trace.json.gz", "tiny.atom.2x8-4.txt"] if profile else [])
+    if profile:  # a CPU run records no kernels, and the summary says so
+        assert "no GPU kernels in the trace" in printed
 
 
 def test_a_failing_engine_is_reported_and_fails_the_command(tmp_path, capsys, monkeypatch):
