@@ -17,10 +17,10 @@ turns the plugin off (SGLang then runs its own models and has no "atom" backend)
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import sys
+
+from atom.hosts import plugin as hosts_plugin
+from atom.hosts.plugin import PluginLog, env_flag
 
 __version__ = "0.1.0"
 
@@ -33,42 +33,19 @@ logger = logging.getLogger("sglang.atom_sglang")
 _registered: list[str] | None = None
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
-
-
 def plugin_disabled() -> bool:
-    return _env_flag(DISABLE_ENV)
+    return env_flag(DISABLE_ENV)
 
 
-def _say(message: str, *args: object, level: int = logging.INFO, exc_info: bool = False) -> None:
-    """Logs through SGLang's logging, or to stderr while it has none configured."""
-    if logging.getLogger().handlers or logging.getLogger("sglang").handlers:
-        logger.log(level, message, *args, exc_info=exc_info)
-        return
-    print(f"[atom_sglang pid={os.getpid()}] " + (message % args), file=sys.stderr)
-    if exc_info:
-        import traceback
-
-        traceback.print_exc(file=sys.stderr)
+# Through SGLang's logging once it is configured; to stderr before.
+_say = PluginLog(logger, [logging.getLogger(), logging.getLogger("sglang")], "atom_sglang")
 
 
 def served_architectures() -> list[str]:
     """Registry architectures for host "sglang" whose ATOM module and adapter exist."""
-    from atom.registry import all_models
     from atom_sglang.adapters import has_adapter
 
-    archs = []
-    for entry in all_models():
-        if "sglang" not in entry.hosts or not has_adapter(entry):
-            continue
-        try:
-            available = importlib.util.find_spec(entry.module) is not None
-        except (ImportError, ValueError):
-            available = False
-        if available:
-            archs.append(entry.architecture)
-    return archs
+    return hosts_plugin.served_architectures("sglang", has_adapter, logger)
 
 
 def register_attention_backend() -> None:
@@ -104,7 +81,7 @@ def register() -> None:
     try:
         from atom_sglang.patches import apply_patches
 
-        archs = [] if _env_flag(BACKEND_ONLY_ENV) else served_architectures()
+        archs = [] if env_flag(BACKEND_ONLY_ENV) else served_architectures()
         register_attention_backend()
         register_models(archs)
         patched = apply_patches()

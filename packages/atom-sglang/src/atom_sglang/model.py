@@ -28,6 +28,7 @@ from torch import nn
 
 from atom.engine.cuda_graphs import graph_blockers
 from atom.forward_context import set_forward_context
+from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
 from atom.layers.quantization import get_quant_config
 from atom.registry import ModelEntry, get_entry
@@ -151,18 +152,4 @@ _classes: dict[str, type[AtomForCausalLM]] = {}
 
 def wrapper_class(architecture: str) -> type[AtomForCausalLM]:
     """The `AtomForCausalLM` subclass SGLang sees for `architecture` (made once)."""
-    cls = _classes.get(architecture)
-    if cls is None:
-        entry = get_entry(architecture)
-        cls = type(
-            architecture,
-            (AtomForCausalLM,),
-            {
-                "atom_architecture": architecture,
-                "__module__": __name__,
-                "__qualname__": architecture,
-                "__doc__": f"ATOM's {entry.family} ({entry.class_path}) as an SGLang model.",
-            },
-        )
-        _classes[architecture] = cls
-    return cls
+    return architecture_subclass(AtomForCausalLM, architecture, __name__, "an SGLang", _classes)

@@ -13,10 +13,10 @@ classes build vLLM's own implementation instead; `"auto"` and `"atom"` run ATOM'
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import sys
+
+from atom.hosts import plugin as hosts_plugin
+from atom.hosts.plugin import PluginLog, env_flag
 
 __version__ = "0.1.0"
 
@@ -33,38 +33,18 @@ _registered: list[str] | None = None
 
 
 def plugin_disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes")
+    return env_flag(DISABLE_ENV)
 
 
-def _say(message: str, *args: object, level: int = logging.INFO, exc_info: bool = False) -> None:
-    """Logs through vLLM's logger, or to stderr while vLLM has not configured it yet."""
-    if logging.getLogger("vllm").handlers or logger.handlers:
-        logger.log(level, message, *args, exc_info=exc_info)
-        return
-    print(f"[atom_vllm pid={os.getpid()}] " + (message % args), file=sys.stderr)
-    if exc_info:
-        import traceback
-
-        traceback.print_exc(file=sys.stderr)
+# Through vLLM's logger once vLLM has configured it; to stderr before.
+_say = PluginLog(logger, [logging.getLogger("vllm"), logger], "atom_vllm")
 
 
 def served_architectures() -> list[str]:
     """Registry architectures for host "vllm" whose ATOM module is installed."""
-    from atom.registry import all_models
-
-    archs = []
-    for entry in all_models():
-        if "vllm" not in entry.hosts or entry.attention not in ATTENTION_KINDS:
-            continue
-        try:
-            available = importlib.util.find_spec(entry.module) is not None
-        except (ImportError, ValueError):
-            available = False
-        if available:
-            archs.append(entry.architecture)
-        else:
-            logger.debug("ATOM module %s for %s is not installed", entry.module, entry.architecture)
-    return archs
+    return hosts_plugin.served_architectures(
+        "vllm", lambda entry: entry.attention in ATTENTION_KINDS, logger
+    )
 
 
 def register() -> None:

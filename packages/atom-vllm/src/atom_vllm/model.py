@@ -28,8 +28,9 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
 from atom.engine.cuda_graphs import graph_blockers
+from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
-from atom.registry import UnsupportedArchitectureError, get_entry
+from atom.registry import UnsupportedArchitectureError
 from atom_vllm.attention import set_model_graph_blockers
 from atom_vllm.attention_layer import vllm_attention_factory
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
@@ -166,21 +167,7 @@ _classes: dict[str, type[AtomForCausalLM]] = {}
 
 def wrapper_class(architecture: str) -> type[AtomForCausalLM]:
     """The `AtomForCausalLM` subclass vLLM sees for `architecture` (made once)."""
-    cls = _classes.get(architecture)
-    if cls is None:
-        entry = get_entry(architecture)
-        cls = type(
-            architecture,
-            (AtomForCausalLM,),
-            {
-                "atom_architecture": architecture,
-                "__module__": __name__,
-                "__qualname__": architecture,
-                "__doc__": f"ATOM's {entry.family} ({entry.class_path}) as a vLLM model.",
-            },
-        )
-        _classes[architecture] = cls
-    return cls
+    return architecture_subclass(AtomForCausalLM, architecture, __name__, "a vLLM", _classes)
 
 
 def __getattr__(name: str) -> type[AtomForCausalLM]:
