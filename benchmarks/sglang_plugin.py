@@ -19,32 +19,31 @@ backend implements SGLang's decode-graph hooks, not its breakable prefill graphs
 equality also compares with HF transformers' greedy tokens on the GPU (fp32).
 
 No pip on the GPU machine: the atom packages are source folders on PYTHONPATH, and the
-plugin's `sglang.srt.plugins` entry point is made visible by writing a minimal
-`atom_sglang-<version>.dist-info` (METADATA + entry_points.txt, read from atom-sglang's
-pyproject.toml) into a folder that is put on the engines' PYTHONPATH.
+plugin's `sglang.srt.plugins` entry point comes from the shim `atom bench` uses
+(`atom.bench.engines.engine_env`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import random
-import subprocess
-import sys
-import tarfile
 import time
-import tomllib
 from pathlib import Path
 
-from atom.testing import tiny_config, write_checkpoint
+from plugin_equality import (
+    ARCHITECTURES,
+    MAX_TOKENS,
+    main,
+    rounds,
+    run_in_subprocess,
+    tiny_model,
+)
+
+from atom.bench.engines import ENGINES, engine_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "packages" / "atom-core" / "src", ROOT / "packages" / "atom-sglang" / "src"]
-RESULT = "ENGINE_RESULT "
-MODES = {
-    "atom": ({"attention_backend": "atom"}, {}),
-    "sglang": ({"attention_backend": "triton"}, {"ATOM_DISABLE_SGLANG_PLUGIN": "1"}),
+MODES = {  # Engine keywords and the engine's plugin setting (atom.bench.engines)
+    "atom": ({"attention_backend": "atom"}, ENGINES["sglang-atom"]),
+    "sglang": ({"attention_backend": "triton"}, ENGINES["sglang"]),
 }
 
 
@@ -72,52 +71,20 @@ def run_engine(job: dict) -> dict:
     return out
 
 
-def plugin_site(work: Path) -> Path:
-    """A folder holding atom-sglang's dist-info, so importlib.metadata finds its entry point."""
-    project = tomllib.loads((ROOT / "packages/atom-sglang/pyproject.toml").read_text())["project"]
-    info = work / "plugin-site" / f"atom_sglang-{project['version']}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n"
-    )
-    lines = ["[sglang.srt.plugins]"]
-    lines += [f"{k} = {v}" for k, v in project["entry-points"]["sglang.srt.plugins"].items()]
-    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-    return info.parent
-
-
 def engine(job: dict, mode: str, work: Path, name: str) -> dict:
-    engine_kw, mode_env = MODES[mode]
-    env = {k: v for k, v in os.environ.items() if k != "ATOM_DISABLE_SGLANG_PLUGIN"}
-    paths = [plugin_site(work), *SOURCES, *filter(None, env.get("PYTHONPATH", "").split(":"))]
-    env.update(mode_env, PYTHONPATH=":".join(map(str, paths)))
+    engine_kw, spec = MODES[mode]
+    env = engine_env(spec, {}, work)
+    env["PYTHONPATH"] = ":".join([*map(str, SOURCES), env["PYTHONPATH"]])
     job = {**job, "engine": {**job["engine"], **engine_kw}}
-    job_file = work / f"{name}.{mode}.json"
-    job_file.write_text(json.dumps(job))
-    t = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, __file__, "engine", str(job_file)], env=env, capture_output=True, text=True
-    )
-    log = proc.stdout + proc.stderr
-    (work / f"{name}.{mode}.log").write_text(log)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
-    if proc.returncode or not lines:
-        print(f"RESULT {name} {mode} FAILED rc={proc.returncode}\n{log[-4000:]}", flush=True)
-        return {"failed": True}
-    result = json.loads(lines[-1][len(RESULT) :])
-    result["wall_s"] = time.perf_counter() - t
-    result["atom_model"] = "built for SGLang" in log
-    result["atom_backend_ran"] = "ATOM attention backend: first attention call" in log
-    result["cuda_graph_captured"] = "CUDA graph end" in log  # SGLang's capture log line
+    result, log = run_in_subprocess(__file__, job, env, work, name, mode)
+    if not result.get("failed"):
+        result["atom_model"] = "built for SGLang" in log
+        result["atom_backend_ran"] = "ATOM attention backend: first attention call" in log
+        result["cuda_graph_captured"] = "CUDA graph end" in log  # SGLang's capture log line
     return result
 
 
-# ---------------------------------------------------------------- checkpoints
-
-
-def prompts(lengths, seed, vocab):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+# ---------------------------------------------------------------- equality
 
 
 def hf_greedy(model_dir: Path, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -156,22 +123,11 @@ def equality(work: Path, summary: dict) -> bool:
         log_level="info",
     )
     ok = True
-    for i, arch in enumerate(["LlamaForCausalLM", "Qwen3ForCausalLM"]):
-        model = work / f"tiny-{arch}"
-        if not (model / "config.json").exists():
-            write_checkpoint(tiny_config(arch), model, init_std=0.1)
-        prefix = prompts([48], 100 + i, 512)[0]
-        rounds = [
-            {"name": "batch", "prompts": prompts([3, 9, 21, 40, 75, 130], i, 512)},
-            {"name": "decode_batch", "prompts": prompts([5] * 8, 50 + i, 512)},
-            {"name": "prefix_warm", "prompts": [prefix + prompts([5], 7, 512)[0]]},
-            {"name": "prefix_reuse", "prompts": [prefix + s for s in prompts([1, 7, 20], 8, 512)]},
-        ]
-        for r in rounds:
-            r["max_tokens"] = 16
-        job = {"model": str(model), "engine": engine_kw, "rounds": rounds}
+    for i, arch in enumerate(ARCHITECTURES):
+        model = tiny_model(work, arch)
+        job = {"model": str(model), "engine": engine_kw, "rounds": rounds(i)}
         res = {m: engine(job, m, work, f"eq-{arch}") for m in MODES}
-        hf = {r["name"]: hf_greedy(model, r["prompts"], 16) for r in rounds}
+        hf = {r["name"]: hf_greedy(model, r["prompts"], MAX_TOKENS) for r in job["rounds"]}
         summary[f"equality-{arch}"] = {**res, "hf": hf}
         if res["atom"].get("failed"):
             ok = False
@@ -201,30 +157,5 @@ def equality(work: Path, summary: dict) -> bool:
     return ok
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["equality", "engine"])
-    parser.add_argument("job", nargs="?")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--work", default="/tmp/atom-sglang-bench")
-    args = parser.parse_args()
-    if args.what == "engine":
-        print(RESULT + json.dumps(run_engine(json.loads(Path(args.job).read_text()))), flush=True)
-        return
-    out_dir, work = Path(args.out), Path(args.work)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    summary: dict = {}
-    ok = True
-    try:
-        ok = equality(work, summary)
-    finally:
-        (out_dir / f"sglang_plugin_{args.what}.json").write_text(json.dumps(summary))
-        with tarfile.open(out_dir / f"sglang_plugin_{args.what}_logs.tar.gz", "w:gz") as tar:
-            for log in sorted(work.glob("*.log")):
-                tar.add(log, arcname=log.name)
-    sys.exit(0 if ok else 1)
-
-
 if __name__ == "__main__":
-    main()
+    main("sglang_plugin", run_engine, equality, "/tmp/atom-sglang-bench")

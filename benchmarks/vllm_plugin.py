@@ -22,20 +22,13 @@ ATOM's kernels are Triton there (the kernel policy's choice on CUDA).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import random
-import subprocess
-import sys
-import tarfile
 import time
 from pathlib import Path
 
-from atom.bench.engines import ENGINES, engine_env
-from atom.testing import tiny_config, write_checkpoint
+from plugin_equality import ARCHITECTURES, main, rounds, run_in_subprocess, tiny_model
 
-RESULT = "ENGINE_RESULT "
+from atom.bench.engines import ENGINES, engine_env
+
 MODES = {"atom": ENGINES["vllm-atom"], "vllm": ENGINES["vllm"]}
 
 
@@ -75,32 +68,7 @@ def run_engine(job: dict) -> dict:
 def engine(job: dict, mode: str, work: Path, name: str) -> dict:
     env = engine_env(MODES[mode], {}, work)
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function
-    job_file = work / f"{name}.{mode}.json"
-    job_file.write_text(json.dumps(job))
-    t = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, __file__, "engine", str(job_file)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    (work / f"{name}.{mode}.log").write_text(proc.stdout + proc.stderr)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
-    if proc.returncode or not lines:
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        print(f"RESULT {name} {mode} FAILED rc={proc.returncode}\n{tail}", flush=True)
-        return {"failed": True}
-    result = json.loads(lines[-1][len(RESULT) :])
-    result["wall_s"] = time.perf_counter() - t
-    return result
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-def prompts(lengths, seed, vocab):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+    return run_in_subprocess(__file__, job, env, work, name, mode)[0]
 
 
 # ---------------------------------------------------------------- equality
@@ -122,20 +90,9 @@ def equality(work: Path, summary: dict) -> bool:
         seed=0,
     )
     ok = True
-    for i, arch in enumerate(["LlamaForCausalLM", "Qwen3ForCausalLM"]):
-        model = work / f"tiny-{arch}"
-        if not (model / "config.json").exists():
-            write_checkpoint(tiny_config(arch), model, init_std=0.1)
-        prefix = prompts([48], 100 + i, 512)[0]
-        rounds = [
-            {"name": "batch", "prompts": prompts([3, 9, 21, 40, 75, 130], i, 512)},
-            {"name": "decode_batch", "prompts": prompts([5] * 8, 50 + i, 512)},
-            {"name": "prefix_warm", "prompts": [prefix + prompts([5], 7, 512)[0]]},
-            {"name": "prefix_reuse", "prompts": [prefix + s for s in prompts([1, 7, 20], 8, 512)]},
-        ]
-        for r in rounds:
-            r["max_tokens"] = 16
-        job = {"model": str(model), "engine": engine_kw, "rounds": rounds}
+    for i, arch in enumerate(ARCHITECTURES):
+        model = tiny_model(work, arch)
+        job = {"model": str(model), "engine": engine_kw, "rounds": rounds(i)}
         res = {m: engine(job, m, work, f"eq-{arch}") for m in MODES}
         summary[f"equality-{arch}"] = res
         if any(r.get("failed") for r in res.values()):
@@ -162,30 +119,5 @@ def equality(work: Path, summary: dict) -> bool:
     return ok
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["equality", "engine"])
-    parser.add_argument("job", nargs="?")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--work", default="/tmp/atom-vllm-bench")
-    args = parser.parse_args()
-    if args.what == "engine":
-        print(RESULT + json.dumps(run_engine(json.loads(Path(args.job).read_text()))), flush=True)
-        return
-    out_dir, work = Path(args.out), Path(args.work)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    summary: dict = {}
-    ok = True
-    try:
-        ok = equality(work, summary)
-    finally:
-        (out_dir / f"vllm_plugin_{args.what}.json").write_text(json.dumps(summary))
-        with tarfile.open(out_dir / f"vllm_plugin_{args.what}_logs.tar.gz", "w:gz") as tar:
-            for log in sorted(work.glob("*.log")):
-                tar.add(log, arcname=log.name)
-    sys.exit(0 if ok else 1)
-
-
 if __name__ == "__main__":
-    main()
+    main("vllm_plugin", run_engine, equality, "/tmp/atom-vllm-bench")

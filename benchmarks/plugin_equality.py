@@ -1,0 +1,104 @@
+"""What the plugin equality scripts (vllm_plugin.py, sglang_plugin.py) share: tiny fp32
+checkpoints, the rounds of prompts, one engine per subprocess, and the command line.
+
+Each script runs itself as `SCRIPT engine JOB.json` in a subprocess per engine; the line
+starting with RESULT carries that engine's JSON result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from atom.testing import tiny_config, write_checkpoint
+
+RESULT = "ENGINE_RESULT "
+ARCHITECTURES = ["LlamaForCausalLM", "Qwen3ForCausalLM"]
+VOCAB = 512  # the tiny configs' vocabulary
+MAX_TOKENS = 16
+
+
+def prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+def tiny_model(work: Path, architecture: str) -> Path:
+    """A tiny fp32 checkpoint of `architecture` (written once per work folder)."""
+    folder = work / f"tiny-{architecture}"
+    if not (folder / "config.json").exists():
+        write_checkpoint(tiny_config(architecture), folder, init_std=0.1)
+    return folder
+
+
+def rounds(index: int) -> list[dict]:
+    """A mixed batch, a decode batch, then a shared prefix warmed and reused."""
+    prefix = prompts([48], 100 + index)[0]
+    return [
+        {"name": name, "prompts": batch, "max_tokens": MAX_TOKENS}
+        for name, batch in (
+            ("batch", prompts([3, 9, 21, 40, 75, 130], index)),
+            ("decode_batch", prompts([5] * 8, 50 + index)),
+            ("prefix_warm", [prefix + prompts([5], 7)[0]]),
+            ("prefix_reuse", [prefix + s for s in prompts([1, 7, 20], 8)]),
+        )
+    ]
+
+
+def run_in_subprocess(
+    script: str, job: dict, env: dict[str, str], work: Path, name: str, mode: str
+) -> tuple[dict, str]:
+    """Runs `script engine JOB` for one engine; (its result or {"failed": True}, its log)."""
+    job_file = work / f"{name}.{mode}.json"
+    job_file.write_text(json.dumps(job))
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, script, "engine", str(job_file)], env=env, capture_output=True, text=True
+    )
+    log = proc.stdout + proc.stderr
+    (work / f"{name}.{mode}.log").write_text(log)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
+    if proc.returncode or not lines:
+        print(f"RESULT {name} {mode} FAILED rc={proc.returncode}\n{log[-4000:]}", flush=True)
+        return {"failed": True}, log
+    result = json.loads(lines[-1][len(RESULT) :])
+    result["wall_s"] = time.perf_counter() - t
+    return result, log
+
+
+def main(
+    name: str,
+    run_engine: Callable[[dict], dict],
+    equality: Callable[[Path, dict], bool],
+    default_work: str,
+) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["equality", "engine"])
+    parser.add_argument("job", nargs="?")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--work", default=default_work)
+    args = parser.parse_args()
+    if args.what == "engine":
+        print(RESULT + json.dumps(run_engine(json.loads(Path(args.job).read_text()))), flush=True)
+        return
+    out_dir, work = Path(args.out), Path(args.work)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    summary: dict = {}
+    ok = False
+    try:
+        ok = equality(work, summary)
+    finally:
+        (out_dir / f"{name}_equality.json").write_text(json.dumps(summary))
+        with tarfile.open(out_dir / f"{name}_equality_logs.tar.gz", "w:gz") as tar:
+            for log in sorted(work.glob("*.log")):
+                tar.add(log, arcname=log.name)
+    sys.exit(0 if ok else 1)
