@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tarfile
@@ -18,17 +17,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from atom.testing import tiny_config, write_checkpoint
+from atom.testing import random_prompts, tiny_config, write_checkpoint
 
 RESULT = "ENGINE_RESULT "
 ARCHITECTURES = ["LlamaForCausalLM", "Qwen3ForCausalLM"]
-VOCAB = 512  # the tiny configs' vocabulary
 MAX_TOKENS = 16
-
-
-def prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
 
 
 def tiny_model(work: Path, architecture: str) -> Path:
@@ -41,14 +34,14 @@ def tiny_model(work: Path, architecture: str) -> Path:
 
 def rounds(index: int) -> list[dict]:
     """A mixed batch, a decode batch, then a shared prefix warmed and reused."""
-    prefix = prompts([48], 100 + index)[0]
+    prefix = random_prompts([48], 100 + index)[0]
     return [
         {"name": name, "prompts": batch, "max_tokens": MAX_TOKENS}
         for name, batch in (
-            ("batch", prompts([3, 9, 21, 40, 75, 130], index)),
-            ("decode_batch", prompts([5] * 8, 50 + index)),
-            ("prefix_warm", [prefix + prompts([5], 7)[0]]),
-            ("prefix_reuse", [prefix + s for s in prompts([1, 7, 20], 8)]),
+            ("batch", random_prompts([3, 9, 21, 40, 75, 130], index)),
+            ("decode_batch", random_prompts([5] * 8, 50 + index)),
+            ("prefix_warm", [prefix + random_prompts([5], 7)[0]]),
+            ("prefix_reuse", [prefix + s for s in random_prompts([1, 7, 20], 8)]),
         )
     ]
 

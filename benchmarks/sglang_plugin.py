@@ -38,6 +38,7 @@ from plugin_equality import (
 )
 
 from atom.bench.engines import ENGINES, engine_env
+from atom.testing import hf_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "packages" / "atom-core" / "src", ROOT / "packages" / "atom-sglang" / "src"]
@@ -87,25 +88,6 @@ def engine(job: dict, mode: str, work: Path, name: str) -> dict:
 # ---------------------------------------------------------------- equality
 
 
-def hf_greedy(model_dir: Path, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
-    import torch
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    hf = hf.cuda().eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in batch:
-            ids = list(prompt)
-            for _ in range(max_tokens):
-                logits = hf(input_ids=torch.tensor([ids], device="cuda")).logits
-                ids.append(int(logits[0, -1].argmax()))
-            outputs.append(ids[len(prompt) :])
-    del hf
-    torch.cuda.empty_cache()
-    return outputs
-
-
 # ---------------------------------------------------------------- equality
 
 
@@ -127,7 +109,10 @@ def equality(work: Path, summary: dict) -> bool:
         model = tiny_model(work, arch)
         job = {"model": str(model), "engine": engine_kw, "rounds": rounds(i)}
         res = {m: engine(job, m, work, f"eq-{arch}") for m in MODES}
-        hf = {r["name"]: hf_greedy(model, r["prompts"], MAX_TOKENS) for r in job["rounds"]}
+        hf = {
+            r["name"]: hf_greedy(model, r["prompts"], MAX_TOKENS, device="cuda")
+            for r in job["rounds"]
+        }
         summary[f"equality-{arch}"] = {**res, "hf": hf}
         if res["atom"].get("failed"):
             ok = False

@@ -25,14 +25,14 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Iterator[Any]:
     """checkpoints(arch) -> folder of a tiny random checkpoint, written once per session."""
-    from sglang_harness import write_checkpoint
+    from atom.testing import write_host_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
     made: dict[str, Path] = {}
 
     def get(architecture: str) -> Path:
         if architecture not in made:
-            made[architecture] = write_checkpoint(architecture, root / architecture)
+            made[architecture] = write_host_checkpoint(architecture, root / architecture)
         return made[architecture]
 
     yield get

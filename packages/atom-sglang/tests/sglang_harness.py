@@ -8,7 +8,6 @@ environment prepared by `sglang_cpu_support.engine_env` (the CPU workarounds).
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,65 +17,28 @@ from typing import Any
 
 import sglang_cpu_support
 
-from atom.testing import DEEPSEEK_YARN_ROPE, tiny_config, tiny_fields
-from atom.testing import write_checkpoint as write_tiny_checkpoint
+from atom.testing import random_prompts
 
 HERE = Path(__file__).parent
 JOB_SCRIPT = HERE / "sglang_job.py"
 BEGIN_TAG = "ATOM_JOB_BEGIN "
 RESULT_TAG = "ATOM_JOB_RESULT "
-VOCAB = tiny_fields("LlamaForCausalLM")["vocab_size"]  # every architecture's
 MAX_TOKENS = 8
 
 # --------------------------------------------------------------------------- checkpoints
-
-# DeepSeek-V3 checkpoints here add q-LoRA and YaRN with mscale to atom.testing's shape.
-OVERRIDES = {
-    "DeepseekV3ForCausalLM": dict(q_lora_rank=48, rope_parameters=DEEPSEEK_YARN_ROPE),
-}
-
-
-def write_checkpoint(architecture: str, folder: Path, seed: int = 0, init_std: float = 0.1) -> Path:
-    """A random fp32 checkpoint of atom.testing's tiny `architecture` (2 layers, head_dim
-    32: vLLM's CPU attention needs >= 32); weights of std 0.1 rather than HF's 0.02 give
-    fewer near-ties in the logits."""
-    config = tiny_config(architecture, **OVERRIDES.get(architecture, {}))
-    return write_tiny_checkpoint(config, folder, seed=seed, init_std=init_std)
-
-
-def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
-
 
 PREFIX_LEN = 48
 
 
 def rounds(seed: int) -> list[dict]:
     """A mixed-length batch, then a shared prefix: warmed by one request, reused by three."""
-    prefix = make_prompts([PREFIX_LEN], seed + 1)[0]
-    suffixes = make_prompts([5, 1, 7, 20], seed + 2)
+    prefix = random_prompts([PREFIX_LEN], seed + 1)[0]
+    suffixes = random_prompts([5, 1, 7, 20], seed + 2)
     return [
-        {"name": "batch", "prompts": make_prompts([3, 9, 21, 40, 75, 130], seed)},
+        {"name": "batch", "prompts": random_prompts([3, 9, 21, 40, 75, 130], seed)},
         {"name": "prefix_warm", "prompts": [prefix + suffixes[0]]},
         {"name": "prefix_reuse", "prompts": [prefix + s for s in suffixes[1:]]},
     ]
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
-    """HF transformers' greedy tokens (a full forward per step, through EOS)."""
-    import torch
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(max_tokens):
-                ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-            outputs.append(ids[len(prompt) :])
-    return outputs
 
 
 # --------------------------------------------------------------------------- engine jobs

@@ -14,9 +14,10 @@ Qwen3, `ATOM_DISABLE_SGLANG_PLUGIN=1`, and an architecture ATOM does not serve.
 from __future__ import annotations
 
 import pytest
-from sglang_harness import ENGINE, PREFIX_LEN, Run, hf_greedy, result_of, rounds, run_jobs
+from sglang_harness import ENGINE, MAX_TOKENS, PREFIX_LEN, Run, result_of, rounds, run_jobs
 
 from atom.registry import get_entry
+from atom.testing import hf_greedy
 from atom_sglang import served_architectures
 
 pytestmark = pytest.mark.slow
@@ -81,7 +82,10 @@ def assert_same(got, want, what: str) -> None:
 
 
 def hf_reference(checkpoints, arch: str) -> dict[str, list[list[int]]]:
-    return {s["name"]: hf_greedy(checkpoints(arch), s["prompts"]) for s in rounds(seed_of(arch))}
+    return {
+        s["name"]: hf_greedy(checkpoints(arch), s["prompts"], MAX_TOKENS)
+        for s in rounds(seed_of(arch))
+    }
 
 
 def assert_prefix_cached(result) -> None:

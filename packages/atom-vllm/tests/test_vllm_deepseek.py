@@ -13,11 +13,10 @@ at most 48 tokens.
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
 from vllm_harness import BLOCK_SIZE, ENGINE, PREFIX_BLOCKS, Job, result_of, rounds, run_jobs
 
 from atom.registry import get_entry
+from atom.testing import hf_greedy
 from atom_vllm import served_architectures
 
 pytestmark = pytest.mark.slow
@@ -37,19 +36,6 @@ def runs(checkpoints, tmp_path_factory):
         if arch in SERVED
     ]
     return run_jobs(jobs, tmp_path_factory.mktemp("vllm-deepseek"))
-
-
-def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """HF transformers' greedy tokens (full forward per step; vLLM ran with ignore_eos)."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(max_tokens):
-                ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-            outputs.append(ids[len(prompt) :])
-    return outputs
 
 
 @pytest.mark.parametrize("arch", list(CASES))

@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
-import transformers
-from vllm_harness import engine_env, make_prompts
+from vllm_harness import engine_env
 
-from atom.testing import wait_healthy
+from atom.testing import hf_greedy, random_prompts, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -77,19 +75,9 @@ def server(checkpoints, tmp_path_factory):
             proc.wait()
 
 
-def hf_greedy(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of HF transformers' forward (no EOS handling: vLLM ran ignore_eos)."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(max_tokens):
-            ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
 def test_completions_over_http_with_token_id_prompts(server):
     base, model, log_path = server
-    prompts = make_prompts([6, 23], seed=42)
+    prompts = random_prompts([6, 23], seed=42)
     reply = requests.post(
         f"{base}/v1/completions",
         json={
@@ -106,7 +94,7 @@ def test_completions_over_http_with_token_id_prompts(server):
     choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
     assert len(choices) == 2
     for prompt, choice in zip(prompts, choices):
-        assert choice["token_ids"] == hf_greedy(model, prompt, 8)
+        assert choice["token_ids"] == hf_greedy(model, [prompt], 8)[0]
 
     models = requests.get(f"{base}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [model]

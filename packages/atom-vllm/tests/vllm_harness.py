@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import random
 import subprocess
 import sys
 import time
@@ -19,35 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from atom.testing import DEEPSEEK_YARN_ROPE, tiny_config, tiny_fields
-from atom.testing import write_checkpoint as write_tiny_checkpoint
+from atom.testing import random_prompts
 
 HERE = Path(__file__).parent
 JOB_SCRIPT = HERE / "vllm_job.py"
 RESULT_TAG = "ATOM_JOB_RESULT "
-VOCAB = tiny_fields("LlamaForCausalLM")["vocab_size"]  # every architecture's
 
 
 # --------------------------------------------------------------------------- checkpoints
-
-
-# DeepSeek-V3 checkpoints here add q-LoRA and YaRN with mscale to atom.testing's shape.
-OVERRIDES = {
-    "DeepseekV3ForCausalLM": dict(q_lora_rank=48, rope_parameters=DEEPSEEK_YARN_ROPE),
-}
-
-
-def write_checkpoint(architecture: str, folder: Path, seed: int = 0, init_std: float = 0.1) -> Path:
-    """A random fp32 checkpoint of atom.testing's tiny `architecture` (2 layers, head_dim
-    32: vLLM's CPU attention needs >= 32); weights of std 0.1 rather than HF's 0.02 give
-    fewer near-ties in the logits."""
-    config = tiny_config(architecture, **OVERRIDES.get(architecture, {}))
-    return write_tiny_checkpoint(config, folder, seed=seed, init_std=init_std)
-
-
-def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
 
 
 # --------------------------------------------------------------------------- engine jobs
@@ -181,9 +159,9 @@ ENGINE = dict(
 
 
 def rounds(seed: int) -> list[dict]:
-    batch = make_prompts([3, 9, 21, 40, 75, 130], seed)
-    prefix = make_prompts([PREFIX_BLOCKS * BLOCK_SIZE], seed + 1)[0]
-    suffixes = make_prompts([5, 1, 7, 20], seed + 2)
+    batch = random_prompts([3, 9, 21, 40, 75, 130], seed)
+    prefix = random_prompts([PREFIX_BLOCKS * BLOCK_SIZE], seed + 1)[0]
+    suffixes = random_prompts([5, 1, 7, 20], seed + 2)
     return [
         {"name": "batch", "prompts": batch},
         {"name": "prefix_warm", "prompts": [prefix + suffixes[0]]},

@@ -155,6 +155,22 @@ def write_checkpoint(
     return Path(folder)
 
 
+# The host-plugin suites also exercise DeepSeek-V3's q-LoRA and YaRN with mscale.
+HOST_SUITE_OVERRIDES = {
+    "DeepseekV3ForCausalLM": dict(q_lora_rank=48, rope_parameters=DEEPSEEK_YARN_ROPE),
+}
+
+
+def write_host_checkpoint(
+    architecture: str, folder: str | Path, seed: int = 0, init_std: float = 0.1
+) -> Path:
+    """The random fp32 checkpoint of `architecture` that the vLLM and SGLang suites run:
+    the tiny shape (head_dim 32: vLLM's CPU attention needs >= 32) with the host-suite
+    overrides; weights of std 0.1 rather than HF's 0.02 give fewer near-ties."""
+    config = tiny_config(architecture, **HOST_SUITE_OVERRIDES.get(architecture, {}))
+    return write_checkpoint(config, folder, seed=seed, init_std=init_std)
+
+
 def _copy(value: Any) -> Any:
     # Lists and dicts in the defaults must not be shared between configs.
     if isinstance(value, list):
