@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable
 from functools import partial
 
 import torch
@@ -125,19 +126,28 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     torch.manual_seed(0)
-    rows = []
-    print(f"{'kernel':<22} {'shape':<22} {'ms':>9} {'GB/s | TFLOP/s':>16} {'of peak':>8}")
-    for row in [*decode_rows(), *prefill_rows(), *elementwise_rows(), *qkv_prologue_rows()]:
-        rate = row.get("GB/s", row.get("TFLOP/s"))
+    report([*decode_rows(), *prefill_rows(), *elementwise_rows(), *qkv_prologue_rows()], args.json)
+
+
+def report(rows: Iterable[dict], json_path: str | None, widths: tuple[int, int] = (22, 22)) -> None:
+    """Prints each row (time, GB/s or TFLOP/s, fraction of peak) as it comes; with
+    `json_path`, writes them all there."""
+    kernel_width, shape_width = widths
+    done = []
+    print(
+        f"{'kernel':<{kernel_width}} {'shape':<{shape_width}} {'ms':>9} {'GB/s | TFLOP/s':>16} {'of peak':>8}"
+    )
+    for row in rows:
         unit = "GB/s" if "GB/s" in row else "TFLOP/s"
         print(
-            f"{row['kernel']:<22} {row['shape']:<22} {row['ms']:>9.4f} {rate:>10.0f} {unit:<5} {row['peak_fraction']:>7.1%}",
+            f"{row['kernel']:<{kernel_width}} {row['shape']:<{shape_width}} {row['ms']:>9.4f} "
+            f"{row[unit]:>10.0f} {unit:<5} {row['peak_fraction']:>7.1%}",
             flush=True,
         )
-        rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        done.append(row)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(done, f, indent=1)
 
 
 if __name__ == "__main__":

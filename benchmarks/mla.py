@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from functools import partial
 
 import torch
@@ -21,7 +20,7 @@ import triton
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels.triton import mla
-from benchmarks.kernels import PEAK_GBPS, PEAK_TFLOPS
+from benchmarks.kernels import PEAK_GBPS, PEAK_TFLOPS, report
 
 HEADS, LATENT, ROPE, NOPE, VALUE = 128, 512, 64, 128, 128
 SCALE = (NOPE + ROPE) ** -0.5
@@ -131,19 +130,7 @@ def main() -> None:
     if args.sweep:
         sweep_decode(args.block_size)
         return
-    rows = []
-    print(f"{'kernel':<12} {'shape':<26} {'ms':>9} {'GB/s | TFLOP/s':>16} {'of peak':>8}")
-    for row in [*decode_rows(args.block_size), *prefill_rows(args.block_size)]:
-        unit = "GB/s" if "GB/s" in row else "TFLOP/s"
-        print(
-            f"{row['kernel']:<12} {row['shape']:<26} {row['ms']:>9.4f} {row[unit]:>10.0f} "
-            f"{unit:<5} {row['peak_fraction']:>7.1%}",
-            flush=True,
-        )
-        rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    report([*decode_rows(args.block_size), *prefill_rows(args.block_size)], args.json, (12, 26))
 
 
 if __name__ == "__main__":
