@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,16 +17,8 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory) -> Iterator[Any]:
+def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
     """checkpoints(arch) -> folder of a tiny random checkpoint, written once per session."""
-    from atom.testing import write_host_checkpoint
+    from atom.testing import host_checkpoints
 
-    root = tmp_path_factory.mktemp("checkpoints")
-    made: dict[str, Path] = {}
-
-    def get(architecture: str) -> Path:
-        if architecture not in made:
-            made[architecture] = write_host_checkpoint(architecture, root / architecture)
-        return made[architecture]
-
-    yield get
+    return host_checkpoints(tmp_path_factory.mktemp("checkpoints"))

@@ -11,6 +11,7 @@ from atom.testing.servers import ServerFailed, wait_healthy
 from atom.testing.tiny_configs import (
     DEEPSEEK_YARN_ROPE,
     config_class_name,
+    host_checkpoints,
     tiny_config,
     tiny_fields,
     write_checkpoint,
@@ -26,6 +27,7 @@ __all__ = [
     "ServerFailed",
     "wait_healthy",
     "config_class_name",
+    "host_checkpoints",
     "tiny_config",
     "tiny_fields",
     "write_checkpoint",

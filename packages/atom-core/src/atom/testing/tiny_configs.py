@@ -14,6 +14,7 @@ themselves, such as `atom.bench` in a torch-free parent process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,18 @@ def write_host_checkpoint(
     overrides; weights of std 0.1 rather than HF's 0.02 give fewer near-ties."""
     config = tiny_config(architecture, **HOST_SUITE_OVERRIDES.get(architecture, {}))
     return write_checkpoint(config, folder, seed=seed, init_std=init_std)
+
+
+def host_checkpoints(root: Path) -> Callable[[str], Path]:
+    """architecture -> its `write_host_checkpoint` folder under `root`, written on first use."""
+    made: dict[str, Path] = {}
+
+    def get(architecture: str) -> Path:
+        if architecture not in made:
+            made[architecture] = write_host_checkpoint(architecture, root / architecture)
+        return made[architecture]
+
+    return get
 
 
 def _copy(value: Any) -> Any:
