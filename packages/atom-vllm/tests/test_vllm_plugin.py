@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 from vllm import ModelRegistry
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 from vllm.model_executor.models.interfaces_base import is_text_generation_model
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -29,6 +31,7 @@ from atom_vllm.attention import (
 def fresh_plugin(monkeypatch):
     """register() as in a new process; vLLM's registry and backend overrides restored after."""
     models = dict(ModelRegistry.models)
+    config_hooks = dict(MODELS_CONFIG_MAP)
     custom = AttentionBackendEnum.CUSTOM
     override = custom.get_path() if custom.is_overridden() else None
     monkeypatch.setattr(atom_vllm, "_registered", None)
@@ -36,6 +39,8 @@ def fresh_plugin(monkeypatch):
     yield
     ModelRegistry.models.clear()
     ModelRegistry.models.update(models)
+    MODELS_CONFIG_MAP.clear()
+    MODELS_CONFIG_MAP.update(config_hooks)
     if override is None:
         custom.clear_override()
     else:
@@ -57,6 +62,48 @@ def test_register_serves_every_vllm_capable_architecture(fresh_plugin, caplog):
     assert AttentionBackendEnum.CUSTOM.get_class() is AtomAttentionBackend
     assert AttentionBackendEnum[AtomAttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM
     assert any("serves LlamaForCausalLM" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("model_impl", "max_num_seqs", "user_max", "expected"),
+    [("auto", 1024, None, 1024), ("atom", 128, None, None), ("vllm", 1024, None, None),
+     ("atom", 1024, 64, 64)],
+)  # fmt: skip
+def test_decode_graphs_cover_max_num_seqs_for_atom_models(
+    fresh_plugin, checkpoints, model_impl, max_num_seqs, user_max, expected
+):
+    """Patch 1 runs inside vLLM's own config construction (on CPU vLLM captures no graphs,
+    so the value stays as the hook left it)."""
+    atom_vllm.register()
+    compilation = {} if user_max is None else {"max_cudagraph_capture_size": user_max}
+    engine_args = EngineArgs(
+        model=str(checkpoints("Qwen3ForCausalLM")),
+        skip_tokenizer_init=True,
+        model_impl=model_impl,
+        max_num_seqs=max_num_seqs,
+        compilation_config=compilation,
+    )
+    vllm_config = engine_args.create_engine_config()
+    assert vllm_config.compilation_config.max_cudagraph_capture_size == expected
+
+
+def test_config_hooks_keep_vllm_own_hook(fresh_plugin, monkeypatch):
+    from atom_vllm.patches import install_config_hooks
+
+    seen = []
+
+    class VllmHook:
+        @staticmethod
+        def verify_and_update_config(vllm_config):
+            seen.append(vllm_config)
+
+    monkeypatch.setitem(MODELS_CONFIG_MAP, "LlamaForCausalLM", VllmHook)
+    install_config_hooks(["LlamaForCausalLM"])
+    install_config_hooks(["LlamaForCausalLM"])  # idempotent: wrapped once
+    hook = MODELS_CONFIG_MAP["LlamaForCausalLM"]
+    assert hook.atom_wrapped is VllmHook
+    hook.verify_and_update_config(config := type("Cfg", (), {"model_config": None})())
+    assert seen == [config]
 
 
 def test_register_is_idempotent(fresh_plugin, monkeypatch):

