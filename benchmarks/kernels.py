@@ -49,26 +49,54 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100)
 
 
+def fa3_paged_attention():
+    """vLLM's FA3 over the same paged cache (the call in shared/anchors), or None without vLLM."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception:  # not installed, or built for another torch
+        return None
+
+    def run(q, k, v, md, scale, out):
+        return flash_attn_varlen_func(q, k, v, max_seqlen_q=md.max_query_len,
+                                      cu_seqlens_q=md.query_start_loc, max_seqlen_k=md.max_seq_len,
+                                      seqused_k=md.seq_lens, softmax_scale=scale, causal=True,
+                                      block_table=md.block_table, out=out, fa_version=3)  # fmt: skip
+
+    return run
+
+
+def with_fa3(row: dict, fa3, q, k, v, md) -> dict:
+    """Adds FA3's time on the same inputs and vs_fa3 = FA3 time / ATOM time (1.0: parity)."""
+    if fa3 is not None:
+        row["fa3_ms"] = bench(partial(fa3, q, k, v, md, 128**-0.5, torch.empty_like(q)))
+        row["vs_fa3"] = row["fa3_ms"] / row["ms"]
+    return row
+
+
 def decode_rows():
+    fa3 = fa3_paged_attention()
     for batch, ctx in [(64, 8192), (16, 8192), (256, 1024), (128, 2048)]:
         q, k, v, md = paged_batch([1] * batch, [ctx - 1] * batch)
         out = torch.empty_like(q)
         ms = bench(partial(paged_attention_triton, q, k, v, md, 128**-0.5, None, None, out))
         kv_bytes = 2 * batch * ctx * 8 * 128 * 2
         gbps = kv_bytes / ms / 1e6
-        yield {"kernel": "decode attention", "shape": f"{batch} seqs x {ctx} ctx", "ms": ms,
+        row = {"kernel": "decode attention", "shape": f"{batch} seqs x {ctx} ctx", "ms": ms,
                "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
+        yield with_fa3(row, fa3, q, k, v, md)
 
 
 def prefill_rows():
+    fa3 = fa3_paged_attention()
     for batch, length in [(16, 2048), (4, 8192), (64, 512)]:
         q, k, v, md = paged_batch([length] * batch, [0] * batch)
         out = torch.empty_like(q)
         ms = bench(partial(paged_attention_triton, q, k, v, md, 128**-0.5, None, None, out))
         flops = 4 * batch * length * length * 32 * 128 / 2  # causal: half the square
         tflops = flops / ms / 1e9
-        yield {"kernel": "causal prefill", "shape": f"{batch} x {length} tokens", "ms": ms,
+        row = {"kernel": "causal prefill", "shape": f"{batch} x {length} tokens", "ms": ms,
                "TFLOP/s": tflops, "peak_fraction": tflops / PEAK_TFLOPS}  # fmt: skip
+        yield with_fa3(row, fa3, q, k, v, md)
 
 
 def elementwise_rows():
@@ -130,18 +158,20 @@ def main() -> None:
 
 
 def report(rows: Iterable[dict], json_path: str | None, widths: tuple[int, int] = (22, 22)) -> None:
-    """Prints each row (time, GB/s or TFLOP/s, fraction of peak) as it comes; with
-    `json_path`, writes them all there."""
+    """Prints each row (time, GB/s or TFLOP/s, fraction of peak, and FA3's time where the
+    row has it) as it comes; with `json_path`, writes them all there."""
     kernel_width, shape_width = widths
     done = []
     print(
         f"{'kernel':<{kernel_width}} {'shape':<{shape_width}} {'ms':>9} {'GB/s | TFLOP/s':>16} {'of peak':>8}"
+        f" {'FA3 ms':>9} {'FA3/ATOM':>8}"
     )
     for row in rows:
         unit = "GB/s" if "GB/s" in row else "TFLOP/s"
+        fa3 = f" {row['fa3_ms']:>9.4f} {row['vs_fa3']:>8.2f}" if "fa3_ms" in row else ""
         print(
             f"{row['kernel']:<{kernel_width}} {row['shape']:<{shape_width}} {row['ms']:>9.4f} "
-            f"{row[unit]:>10.0f} {unit:<5} {row['peak_fraction']:>7.1%}",
+            f"{row[unit]:>10.0f} {unit:<5} {row['peak_fraction']:>7.1%}{fa3}",
             flush=True,
         )
         done.append(row)
