@@ -115,6 +115,8 @@ def test_adapters_declare_pool_and_attention_kind():
 
     assert adapter_for(get_entry("DeepseekV2ForCausalLM")).kv_pool == "mla"
     assert adapter_for(get_entry("Qwen3ForCausalLM")).attention == "MHA"
+    assert adapter_for(get_entry("Qwen3ForCausalLM")).fuse_qk_rope
+    assert not adapter_for(get_entry("DeepseekV3ForCausalLM")).fuse_qk_rope
     assert layer_index("model.layers.11.self_attn.attn") == 11
     with pytest.raises(ValueError):
         layer_index("lm_head")
@@ -238,6 +240,41 @@ def test_mha_backend_matches_dense_attention(page_size, prefix_lens, new_lens, w
     torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool.k[batch.out_cache_loc], k_new)  # the KV write
     assert backend.num_calls == 1
+
+
+@pytest.mark.parametrize("prefix_lens,new_lens", [([0, 5, 17], [7, 3, 1]), ([9, 30], [1, 1])])
+def test_fused_qk_rope_write_equals_rotating_first(prefix_lens, new_lens):
+    """What SglangAttention hands ATOM's backend for a fusing family (raw q/k, qk_rope,
+    positions) gives the output and cache of rotating q/k first, then attending."""
+    from atom.layers.attention import QKRope
+    from atom.layers.norm import RMSNorm
+    from atom.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(2)
+    hq, hkv, d = 4, 2, 32
+    q_norm, k_norm = RMSNorm(d), RMSNorm(d)
+    q_norm.weight.data.uniform_(0.5, 1.5)
+    k_norm.weight.data.uniform_(0.5, 1.5)
+    qk_rope = QKRope(RotaryEmbedding(d, d, 256, 10000.0), q_norm, k_norm)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)])
+    q = torch.randn(sum(new_lens), hq, d)
+    k, v = torch.randn(sum(new_lens), hkv, d), torch.randn(sum(new_lens), hkv, d)
+    runs = {}
+    for fused in (False, True):
+        req_to_token, batch = make_batch(prefix_lens, new_lens, 1, 256)
+        pool = FakePool(256, hkv, d, d, 1)
+        backend = make_backend(req_to_token, pool, 1)
+        backend.init_forward_metadata(batch)
+        if fused:
+            args, kwargs = (q, k), {"qk_rope": qk_rope, "positions": positions}
+        else:
+            args, kwargs = qk_rope(positions, q, k), {}
+        qa, ka = args
+        out = backend.forward(
+            qa.flatten(1), ka.flatten(1), v.flatten(1), layer(hq, hkv, d, d), batch, **kwargs
+        )
+        runs[fused] = (out, pool.k[batch.out_cache_loc])
+    torch.testing.assert_close(runs[True], runs[False], rtol=1e-5, atol=1e-5)
 
 
 def test_decode_cuda_graph_metadata_matches_eager():

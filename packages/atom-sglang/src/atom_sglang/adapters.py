@@ -8,10 +8,9 @@ The wrapper (`atom_sglang.model`) reads one `SglangAdapter` per architecture fam
   `[slots, Hkv, D]`; "mla": one latent row `[slots, 1, L + R]`, DeepSeek's compressed
   cache). SGLang decides the pool from the architecture name; the wrapper checks that
   its decision is this one before building anything.
-* `fuse_qk_rope`: whether the family's q/k norm + rotary could be fused into the KV
-  write (Qwen3's q/k RMSNorm, `atom.layers.attention.QKRope`). In SGLang the attention
-  backend, not the layer, writes the cache (`RadixAttention`), so every family runs the
-  unfused path today; the flag records where a fused write would apply.
+* `fuse_qk_rope`: the family's q/k norm + rotary (`atom.layers.attention.QKRope`:
+  Qwen3's per-head RMSNorm, then rotary) runs in the kernel that writes the KV cache
+  when ATOM's backend serves the layer (`atom_sglang.attention_layer.SglangAttention`).
 """
 
 from __future__ import annotations
@@ -28,14 +27,14 @@ class SglangAdapter:
     fuse_qk_rope: bool = False
 
 
-MHA = SglangAdapter(attention="MHA", kv_pool="mha")
+MHA_FUSED_ROPE = SglangAdapter(attention="MHA", kv_pool="mha", fuse_qk_rope=True)
 MLA_LATENT = SglangAdapter(attention="MLA", kv_pool="mla")
 
 _BY_FAMILY = {
-    "Llama 2 / 3.x": MHA,
-    "Qwen3": SglangAdapter(attention="MHA", kv_pool="mha", fuse_qk_rope=False),
-    "Qwen3-MoE": MHA,
-    "Mixtral": MHA,
+    "Llama 2 / 3.x": MHA_FUSED_ROPE,
+    "Qwen3": MHA_FUSED_ROPE,
+    "Qwen3-MoE": MHA_FUSED_ROPE,
+    "Mixtral": MHA_FUSED_ROPE,
     "DeepSeek-V2": MLA_LATENT,
     "DeepSeek-V3": MLA_LATENT,
 }

@@ -6,7 +6,11 @@ factory)`. Each ATOM attention layer gets a module that owns an SGLang `RadixAtt
 the step's `ForwardBatch`, which the wrapper puts in ATOM's forward context. Whatever
 attention backend the engine runs (`"atom"`, or SGLang's own) does the paged-KV work.
 
-* MHA: `forward(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv]) -> [T,Hq,Dv]`.
+* MHA: `forward(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv]) -> [T,Hq,Dv]`. For a family whose
+  adapter fuses q/k norm + rotary into the KV write, q and k arrive raw with
+  `positions=`: under ATOM's backend they travel with the call (`RadixAttention` hands
+  extra keywords to the backend) and one kernel rotates them and writes the cache; under
+  another backend the layer rotates them first.
 * MLA (DeepSeek): `forward(q_nope, q_pe, kv_c, k_pe) -> [T,H,Dv]` in SGLang's absorbed
   form: q_nope goes through W_UK into the latent space, the cached row is the latent
   plus the rope key (`MLATokenToKVPool`), and the latent output goes through W_UV.
@@ -19,12 +23,14 @@ import re
 
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
 from atom.forward_context import get_forward_context
 from atom.layers.attention import AttentionSpec, ImplFactory
 from atom.layers.mla_impl import NativeMLAImpl
 from atom_sglang.adapters import SglangAdapter
+from atom_sglang.backend import AtomAttnBackend
 
 FORWARD_BATCH = "forward_batch"  # the key of SGLang's ForwardBatch in ATOM's context extras
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -51,9 +57,10 @@ def current_forward_batch():
 class SglangAttention(nn.Module):
     """ATOM MHA impl contract over an SGLang `RadixAttention`."""
 
-    def __init__(self, spec: AttentionSpec):
+    def __init__(self, spec: AttentionSpec, adapter: SglangAdapter):
         super().__init__()
         self.spec = spec
+        self.fuses_qk_rope = adapter.fuse_qk_rope
         window = spec.sliding_window
         self.attn = RadixAttention(
             spec.num_heads,
@@ -67,8 +74,20 @@ class SglangAttention(nn.Module):
             prefix=spec.layer_name,
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = self.attn(q.reshape(q.shape[0], -1), k, v, current_forward_batch())
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        fused = {}
+        if positions is not None:
+            if isinstance(get_attn_backend(), AtomAttnBackend):
+                fused = {"qk_rope": self.spec.qk_rope, "positions": positions}
+            else:
+                q, k = self.spec.qk_rope(positions, q, k)
+        out = self.attn(q.reshape(q.shape[0], -1), k, v, current_forward_batch(), **fused)
         return out.view(-1, self.spec.num_heads, self.spec.v_head_dim)
 
 
@@ -87,7 +106,7 @@ class SglangMLAAttention(nn.Module):
 
     quant_method = _SplitAbsorptionWeights()
 
-    def __init__(self, spec: AttentionSpec):
+    def __init__(self, spec: AttentionSpec, adapter: SglangAdapter):
         super().__init__()
         self.spec = spec
         self.latent_dim = spec.kv_lora_rank
@@ -129,6 +148,6 @@ def sglang_attention_factory(adapter: SglangAdapter) -> ImplFactory:
             raise ValueError(
                 f"{spec.layer_name}: a {spec.kind} layer in a family adapted as {adapter.attention}"
             )
-        return layer_cls(spec)
+        return layer_cls(spec, adapter)
 
     return factory

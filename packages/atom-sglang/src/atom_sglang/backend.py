@@ -34,8 +34,9 @@ from atom.hosts.token_table import (
     metadata_from_token_table,
     paged_view,
 )
-from atom.kernels import mla_decode_attention, paged_attention, write_kv_cache, write_mla_cache
+from atom.kernels import mla_decode_attention, paged_attention, write_mla_cache
 from atom.kernels.policy import selected_backend
+from atom.layers.paged_attention_impl import write_kv_and_attend
 
 BACKEND_NAME = "atom"
 logger = logging.getLogger("sglang.atom_sglang.backend")
@@ -155,12 +156,14 @@ class AtomAttnBackend(AttentionBackend):
     # ------------------------------------------------------------ attention
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._attend(q, k, v, layer, save_kv_cache)
+        return self._attend(q, k, v, layer, save_kv_cache, **kwargs)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._attend(q, k, v, layer, save_kv_cache)
+        return self._attend(q, k, v, layer, save_kv_cache, **kwargs)
 
-    def _attend(self, q, k, v, layer, save_kv_cache: bool) -> torch.Tensor:
+    def _attend(self, q, k, v, layer, save_kv_cache: bool, qk_rope=None, positions=None):
+        """`qk_rope` and `positions` (from `SglangAttention` of a fusing family): q and k
+        are raw, and rotate in the kernel that writes the cache."""
         metadata = self.forward_metadata
         if metadata is None:
             raise RuntimeError("ATOM attention backend: no metadata for this forward")
@@ -175,26 +178,33 @@ class AtomAttnBackend(AttentionBackend):
         value_cache = paged_view(
             self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.page_size
         )
-        num_tokens = metadata.num_tokens
+        n = metadata.num_tokens
+        q_heads = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)[:n]
+        attention = {
+            "sliding_window": atom_sliding_window(layer.sliding_window_size),
+            "logits_soft_cap": layer.logit_cap or None,
+        }
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         if save_kv_cache and k is not None:
-            write_kv_cache(
-                k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)[:num_tokens],
-                v.view(-1, layer.tp_v_head_num, layer.v_head_dim)[:num_tokens],
+            write_kv_and_attend(
+                q_heads,
+                k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)[:n],
+                v.view(-1, layer.tp_v_head_num, layer.v_head_dim)[:n],
                 key_cache,
                 value_cache,
-                metadata.slot_mapping,
+                metadata,
+                layer.scaling,
+                qk_rope=qk_rope,
+                positions=positions[:n] if positions is not None else None,
+                out=out[:n],
+                **attention,
             )
-        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
-        paged_attention(
-            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)[:num_tokens],
-            key_cache,
-            value_cache,
-            metadata,
-            layer.scaling,
-            sliding_window=atom_sliding_window(layer.sliding_window_size),
-            logits_soft_cap=layer.logit_cap or None,
-            out=out[:num_tokens],
-        )
+        else:
+            if positions is not None:
+                raise ValueError("ATOM's backend rotates q/k only while writing the KV cache")
+            paged_attention(
+                q_heads, key_cache, value_cache, metadata, layer.scaling, out=out[:n], **attention
+            )
         return out.view(q.shape[0], -1)
 
     def _attend_mla(self, q, k, layer, metadata, save_kv_cache: bool) -> torch.Tensor:
