@@ -71,15 +71,14 @@ class VllmEngine:
     def __init__(self, job: dict):
         vllm = importlib.import_module(job["host"])
         self.params = vllm.SamplingParams
-        self.llm = vllm.LLM(
-            model=job["model"],
+        defaults = dict(
             skip_tokenizer_init=True,
             dtype="bfloat16",
             max_model_len=job["max_model_len"],
             gpu_memory_utilization=job["gpu_memory_utilization"],
             seed=0,
-            **job["options"],
         )
+        self.llm = vllm.LLM(model=job["model"], **(defaults | job["options"]))
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
         params = self.params(
@@ -100,8 +99,7 @@ class SglangEngine:
         # SGLang's staged kernels have no FA3: triton attention for its own model, ATOM's
         # backend when the plugin runs.
         backend = "atom" if job["plugin"] else "triton"
-        self.engine = sglang.Engine(
-            model_path=job["model"],
+        defaults = dict(
             attention_backend=backend,
             sampling_backend="pytorch",
             skip_tokenizer_init=True,
@@ -109,8 +107,9 @@ class SglangEngine:
             context_length=job["max_model_len"],
             random_seed=0,
             log_level="warning",
-            **job["options"],
         )
+        # --sglang-option KEY=VALUE overrides a default (e.g. log_level=info).
+        self.engine = sglang.Engine(model_path=job["model"], **(defaults | job["options"]))
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
         params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
