@@ -349,3 +349,51 @@ def test_atom_models_keep_prefill_out_of_cuda_graphs(checkpoints):
     assert get_exec().graph.cuda_graph_config.prefill.backend == Backend.DISABLED
     assert args.cuda_graph_config.decode.backend == decode
     assert not keep_prefill_eager()  # already off: nothing to change
+
+
+@pytest.mark.parametrize(
+    "user_choice",
+    [
+        {},
+        {"cuda_graph_max_bs_decode": 128},
+        {"cuda_graph_bs_decode": [1, 2, 4, 8]},
+        {"cuda_graph_config": {"decode": {"max_bs": 64}}},
+    ],
+)
+def test_atom_models_capture_decode_batches_up_to_1024(checkpoints, user_choice):
+    """SGLang sizes decode graphs from GPU memory (256 on an H200), and ATOM's models
+    run eagerly above that are CPU-bound (atom_sglang.patches, change 3): building ATOM's
+    wrapper extends the decode list to 1024 with SGLang's own spacing, unless the user
+    chose decode sizes (flags or JSON cuda_graph_config)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.runtime_context import get_exec, publish
+    from sglang.srt.server_args import ServerArgs
+
+    from atom_sglang.patches import capture_decode_batches_up_to
+
+    args = ServerArgs(
+        model_path=str(checkpoints("Qwen3ForCausalLM")),
+        device="cpu",
+        skip_tokenizer_init=True,
+        **user_choice,
+    )
+    args.override("test", device="cuda")  # as on a GPU: decode sizes as on an H200, tp=1
+    decode = args.cuda_graph_config.decode
+    decode.backend = Backend.FULL
+    if not user_choice:
+        decode.max_bs = 256
+        decode.bs = args._generate_decode_cuda_graph_batch_sizes(256)
+    before = (decode.max_bs, list(decode.bs))
+    publish(args, role="test")
+    if user_choice:
+        assert not capture_decode_batches_up_to(1024)
+        assert (decode.max_bs, decode.bs) == before
+        return
+    assert capture_decode_batches_up_to(1024)
+    published = get_exec().graph.cuda_graph_config.decode
+    for phase in (decode, published):
+        assert phase.max_bs == 1024
+        assert phase.bs == args._generate_decode_cuda_graph_batch_sizes(1024)
+    assert decode.bs[: len(before[1])] == before[1]  # SGLang's spacing, extended
+    assert decode.bs[-3:] == [960, 992, 1024]
+    assert not capture_decode_batches_up_to(1024)  # already there: nothing to change

@@ -39,11 +39,13 @@ from atom_sglang.attention_layer import (
     sglang_attention_factory,
 )
 from atom_sglang.distributed import install_sglang_tp_group
-from atom_sglang.patches import keep_prefill_eager
+from atom_sglang.patches import capture_decode_batches_up_to, keep_prefill_eager
 
 logger = logging.getLogger("sglang.atom_sglang.model")
 
 ATOM_MODEL_ATTR = "atom_model"
+# Decode batches up to this size run in CUDA graphs (atom_sglang.patches, change 3).
+DECODE_GRAPH_MAX_BS = 1024
 
 
 class UnsupportedSglangFeature(NotImplementedError):
@@ -87,6 +89,11 @@ class AtomForCausalLM(nn.Module):
             )
         if keep_prefill_eager():
             logger.info("ATOM models run prefill without CUDA graphs (atom_sglang.patches)")
+        if _cuda_graphs_enabled() and capture_decode_batches_up_to(DECODE_GRAPH_MAX_BS):
+            logger.info(
+                "ATOM models capture decode CUDA graphs up to %d requests (atom_sglang.patches)",
+                DECODE_GRAPH_MAX_BS,
+            )
         logger.info(
             "ATOM %s (%s) built for SGLang: %d %s attention layers, kv pool %s, tp=%d/%d, "
             "dtype=%s%s",
