@@ -102,10 +102,15 @@ def test_grouped_topk(num_tokens, experts, groups, topk_group, top_k, scoring, w
     assert_same_routing(got, want, scores if bias is None else scores + bias, experts)
 
 
+@pytest.mark.parametrize("one_program", [True, False])
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("num_experts, top_k", EXPERTS_TOPK)
 @pytest.mark.parametrize("num_tokens", TOKENS)
-def test_align_to_experts(num_tokens, num_experts, top_k, block_m):
+def test_align_to_experts(num_tokens, num_experts, top_k, block_m, one_program, monkeypatch):
+    from atom.kernels.triton import moe_align
+
+    if not one_program:  # the count / lay out / scatter launches of large batches
+        monkeypatch.setattr(moe_align, "SINGLE_PROGRAM_ROWS", 0)
     ids = torch.rand(num_tokens, num_experts, device=DEVICE).topk(top_k, -1).indices.int()
     sorted_rows, block_expert = align_to_experts(ids, num_experts, block_m)
     num_rows = ids.numel()

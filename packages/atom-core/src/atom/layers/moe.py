@@ -158,7 +158,9 @@ class FusedMoE(nn.Module):
                 self.routed_scaling_factor,
             )
         weights, ids = topk_softmax(router_logits, self.top_k, self.renormalize)
-        return weights * self.routed_scaling_factor, ids
+        if self.routed_scaling_factor != 1.0:  # a launch per layer otherwise
+            weights = weights * self.routed_scaling_factor
+        return weights, ids
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(router_logits)

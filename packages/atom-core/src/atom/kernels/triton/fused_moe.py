@@ -163,6 +163,29 @@ def _row_scale(scale: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, int
     return rows, rows.stride(0), (rows.stride(1) if rows.shape[1] > 1 else 0)
 
 
+@triton.jit
+def _sum_top_k_kernel(rows_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for slot in tl.static_range(TOP_K):
+        acc += tl.load(rows_ptr + (token * TOP_K + slot) * hidden + cols, mask=mask).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_top_k(rows: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] -> [T, H] in fp32: torch's reduction over the middle dim took ~5 us per
+    layer at decode sizes (H200), a quarter of the expert GEMMs' time."""
+    num_tokens, top_k, hidden = rows.shape
+    out = rows.new_empty(num_tokens, hidden)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        rows, out, hidden, TOP_K=top_k, BLOCK=block
+    )
+    return out
+
+
 def _launch_gemm(
     a, a_scale, w, w_scale, out, aligned, cfg, block_size, *, gated, a_row_div, routing_weights=None
 ):
@@ -234,4 +257,4 @@ def fused_moe_triton(
         a, a_scale, w2, w2_scale, out.view(-1, w2.shape[1]), aligned, cfg, block_size,
         gated=False, a_row_div=1, routing_weights=topk_weights.reshape(-1),
     )  # fmt: skip
-    return out.sum(1)
+    return sum_top_k(out)

@@ -15,6 +15,9 @@ import triton.language as tl
 
 _BLOCK = 1024  # routed rows per program in the counting and scattering kernels
 _BLOCK_B = 64  # M-blocks labelled per step in the layout kernel
+# Up to this many routed rows (decode batches: T * top_k), one program does all three
+# steps: the three launches and the counters' fill cost more than the work.
+SINGLE_PROGRAM_ROWS = 1024
 
 
 @triton.jit
@@ -26,15 +29,14 @@ def _count_kernel(ids_ptr, counts_ptr, num_rows, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _layout_kernel(
-    counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_experts, num_rows, max_blocks,
+def _lay_out(
+    counts, cursor_ptr, sorted_ptr, block_expert_ptr, num_experts, num_rows, max_blocks,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
     """Expert start offsets (into the scatter cursors), the padding sentinels and the
     expert of every M-block (num_experts for blocks past the end)."""
     expert = tl.arange(0, BLOCK_E)
     is_expert = expert < num_experts
-    counts = tl.load(counts_ptr + expert, mask=is_expert, other=0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -49,6 +51,35 @@ def _layout_kernel(
         block = first + tl.arange(0, BLOCK_B)
         owner = tl.sum((ends[None, :] <= (block * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + block, owner, mask=block < max_blocks)
+
+
+@triton.jit
+def _layout_kernel(
+    counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_experts, num_rows, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    expert = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + expert, mask=expert < num_experts, other=0)
+    _lay_out(counts, cursor_ptr, sorted_ptr, block_expert_ptr, num_experts, num_rows, max_blocks,
+             BLOCK_M, BLOCK_E, BLOCK_B)  # fmt: skip
+
+
+@triton.jit
+def _align_in_one_program_kernel(
+    ids_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_experts, num_rows, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Count, lay out and scatter in one launch for a decode-sized routing: the counts come
+    from a histogram instead of atomics, so no zeroed buffer (and no fill launch) is needed."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < num_rows
+    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    counts = tl.histogram(expert, BLOCK_E, mask=mask)
+    _lay_out(counts, cursor_ptr, sorted_ptr, block_expert_ptr, num_experts, num_rows, max_blocks,
+             BLOCK_M, BLOCK_E, BLOCK_B)  # fmt: skip
+    tl.debug_barrier()  # the cursors' starting offsets are stored before the atomics read them
+    position = tl.atomic_add(cursor_ptr + expert, 1, mask=mask, sem="relaxed")
+    tl.store(sorted_ptr + position, offs, mask=mask)
 
 
 @triton.jit
@@ -78,13 +109,20 @@ def align_to_experts(
     device = topk_ids.device
     sorted_rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    layout = dict(BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_B=_BLOCK_B)
+    if num_rows <= SINGLE_PROGRAM_ROWS:
+        cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+        _align_in_one_program_kernel[(1,)](
+            ids, cursor, sorted_rows, block_expert, num_experts, num_rows, max_blocks,
+            BLOCK=max(16, triton.next_power_of_2(num_rows)), **layout,
+        )  # fmt: skip
+        return sorted_rows, block_expert
     counts_and_cursor = torch.zeros(2, num_experts, dtype=torch.int32, device=device)
     counts, cursor = counts_and_cursor
     grid = (triton.cdiv(num_rows, _BLOCK),)
     _count_kernel[grid](ids, counts, num_rows, BLOCK=_BLOCK)
     _layout_kernel[(1,)](
-        counts, cursor, sorted_rows, block_expert, num_experts, num_rows, max_blocks,
-        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_B=_BLOCK_B,
-    )  # fmt: skip
+        counts, cursor, sorted_rows, block_expert, num_experts, num_rows, max_blocks, **layout
+    )
     _scatter_kernel[grid](ids, cursor, sorted_rows, num_rows, BLOCK=_BLOCK)
     return sorted_rows, block_expert
