@@ -14,7 +14,8 @@ import torch
 
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.fused_qkv import fused_qkv_rope_write_kv, fused_qkv_rope_write_kv_torch
-from atom.kernels.rotary import compute_cos_sin_cache
+from atom.kernels.norm import rms_norm_torch
+from atom.kernels.rotary import apply_rotary_emb_torch, compute_cos_sin_cache
 from atom.layers.attention import Attention, QKRope, attention_backend
 from atom.layers.norm import RMSNorm
 from atom.layers.paged_attention_impl import NativeAttentionImpl
@@ -88,13 +89,17 @@ def check_against_reference(
     args = (positions, cos_sin.to(device), rotary_dim, is_neox)
     got_caches = caches(layout, num_slots, block_size, kv_heads, head_dim, dtype, device)
     want_caches = caches(layout, num_slots, block_size, kv_heads, head_dim, dtype, device)
+    raw_k = k.clone()
+    want_k = k.clone()  # each op rotates its k in place: give the reference its own copy
     got = fused_qkv_rope_write_kv_triton(
         q, k, v, *args, *got_caches, slots.to(device), *weights, EPS
     )
     want = fused_qkv_rope_write_kv_torch(
-        q, k, v, *args, *want_caches, slots.to(device), *weights, EPS
+        q, want_k, v, *args, *want_caches, slots.to(device), *weights, EPS
     )
     torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(k, want_k, **TOL[dtype])  # every row, padding included
+    assert not torch.equal(k, raw_k)
     for got_cache, want_cache in zip(got_caches, want_caches):
         torch.testing.assert_close(got_cache, want_cache, **TOL[dtype])
     written = (want_caches[0] != SENTINEL).flatten(2).any(-1).sum().item()
@@ -140,6 +145,28 @@ def test_triton_no_tokens():
     assert out.shape == (0, 4, 64) and (key_cache == SENTINEL).all()
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_reference_leaves_the_cached_keys_in_k(norm):
+    """k afterwards holds what the unfused ops compute, for every row (slot -1 and rows
+    past the mapping too), which is what the cache holds for the written ones."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = qkv_views(6, 4, 2, 32, torch.float32, "cpu", gen)
+    raw_k = k.clone()
+    positions = torch.randint(0, 64, (6,), generator=gen)
+    cos_sin = compute_cos_sin_cache(32, 64, 10000.0, None)[0]
+    weight = torch.rand(32, generator=gen) + 0.5 if norm else None
+    key_cache, value_cache = caches("atom", 16, 4, 2, 32, torch.float32, "cpu")
+    slots = torch.tensor([3, -1, 7, 0, 12])
+    fused_qkv_rope_write_kv(
+        q, k, v, positions, cos_sin, 32, True, key_cache, value_cache, slots, weight, weight, EPS
+    )
+    normed = rms_norm_torch(raw_k, weight, EPS) if norm else raw_k
+    _, want = apply_rotary_emb_torch(positions, q, normed, cos_sin, 32, True)
+    assert torch.equal(k, want)
+    written = slots >= 0
+    assert torch.equal(key_cache.flatten(0, 1)[slots[written]], want[:5][written])
+
+
 def test_norm_weights_come_in_pairs():
     q, k, v = qkv_views(2, 2, 1, 8, torch.float32, "cpu", torch.Generator())
     with pytest.raises(ValueError, match="both norm weights"):
@@ -169,11 +196,12 @@ def test_attention_layer_fused_path_equals_unfused(qk_norm):
     # Two sequences: a decode with 5 cached tokens and a 3-token prefill.
     metadata = AttentionMetadata.build([1, 3], [6, 3], [[0, 1], [2]], [5, 8, 9, 10])
     positions = torch.tensor([5, 0, 1, 2])
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = qkv_views(4, heads, kv_heads, head_dim, torch.float32, "cpu", gen)
-    cached = torch.randn(3, block_size, kv_heads, head_dim, generator=gen)
     results = []
     for impl_cls in (NativeAttentionImpl, UnfusedImpl):
+        # Fresh inputs each time: the fused path leaves the rotated keys in k.
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = qkv_views(4, heads, kv_heads, head_dim, torch.float32, "cpu", gen)
+        cached = torch.randn(3, block_size, kv_heads, head_dim, generator=gen)
         with attention_backend(impl_cls):
             layer = Attention(heads, head_dim, 0.2, kv_heads, "layer", qk_rope=qk_rope)
         assert layer.fuses_qk_rope == impl_cls.fuses_qk_rope

@@ -2,9 +2,10 @@
 
 Between a layer's qkv projection and paged attention the unfused path runs up to five
 elementwise kernels (q norm, k norm, two rotations, the KV write) and copies q/k on the
-way. This op reads q, k and v once, writes the rotated k and v into the cache and
-returns the rotated q. Its torch reference is the unfused sequence of reference ops, so
-"correct" means exactly what the separate ops compute.
+way. This op reads q, k and v once, writes the rotated k and v into the cache, stores the
+rotated k back into k (attention reads the step's new keys from there: contiguous rows,
+no page lookups) and returns the rotated q. Its torch reference is the unfused sequence
+of reference ops, so "correct" means exactly what the separate ops compute.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ def fused_qkv_rope_write_kv_torch(
     q, k, v, positions, cos_sin_cache, rotary_dim, is_neox,
     key_cache, value_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
 ):  # fmt: skip
+    normed_k = k
     if q_norm_weight is not None:
-        q, k = rms_norm_torch(q, q_norm_weight, eps), rms_norm_torch(k, k_norm_weight, eps)
-    q, k = apply_rotary_emb_torch(positions, q, k, cos_sin_cache, rotary_dim, is_neox)
+        q, normed_k = rms_norm_torch(q, q_norm_weight, eps), rms_norm_torch(k, k_norm_weight, eps)
+    q, rotated_k = apply_rotary_emb_torch(
+        positions, q, normed_k, cos_sin_cache, rotary_dim, is_neox
+    )
     num_slots = slot_mapping.shape[0]
-    write_kv_cache_torch(k[:num_slots], v[:num_slots], key_cache, value_cache, slot_mapping)
+    write_kv_cache_torch(rotated_k[:num_slots], v[:num_slots], key_cache, value_cache, slot_mapping)
+    k.copy_(rotated_k)
     return q
 
 
@@ -45,7 +50,8 @@ def fused_qkv_rope_write_kv(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Returns q [T, Hq, D] ready for attention; writes k and v into the paged cache.
+    """Returns q [T, Hq, D] ready for attention; writes k and v into the paged cache and
+    leaves k (in place, every row) as written there: normalised and rotated.
 
     q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]: views of the fused qkv projection are
     fine (any token/head strides, unit channel stride). With norm weights [D], q and k

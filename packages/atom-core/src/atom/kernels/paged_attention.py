@@ -46,8 +46,10 @@ def dense_attention(
 
 @register("paged_attention", "torch")
 def paged_attention_torch(
-    query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
-):
+    query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
+    key=None, value=None,
+):  # fmt: skip
+    """The definition: every key from the cache (key/value hold the same new keys)."""
     starts = metadata.host_query_start_loc()
     for i, seq_len in enumerate(metadata.host_seq_lens()):
         begin, end = starts[i], starts[i + 1]
@@ -72,15 +74,25 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     out: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] against the cached K/V of each sequence -> [T, Hq, Dv].
 
     The new tokens' K/V must already be in the cache. New token j of a sequence with
     context c sits at position c + j and sees keys at positions <= c + j (and, with a
     sliding window w, > c + j - w).
+
+    key [T, Hkv, D] / value [T, Hkv, Dv], optional: those same new tokens' K/V as written
+    to the cache (rotated, normalised), row t for query row t. A kernel may read the new
+    keys from them instead of the pages (contiguous rows, no table lookups); the result
+    is the same. Pass both or neither.
     """
+    if (key is None) != (value is None):
+        raise ValueError("pass the new tokens' key and value together, or neither")
     if out is None:
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
     return dispatch("paged_attention", query.device)(
-        query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
-    )
+        query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
+        key, value,
+    )  # fmt: skip

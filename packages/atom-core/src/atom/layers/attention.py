@@ -59,7 +59,8 @@ class QKRope:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        """The fused path: writes rotated k and v into the cache, returns rotated q."""
+        """The fused path: writes rotated k and v into the cache, leaves the rotated k in k
+        (in place: attention reads the new keys from it), returns rotated q."""
         rope, norm = self.rotary_emb, self.q_norm is not None
         return fused_qkv_rope_write_kv(
             q, k, v, positions, rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style,

@@ -25,14 +25,16 @@ def write_kv_and_attend(
     positions: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The step of every impl on ATOM's cache layout (native, vLLM): K/V into the paged
-    cache, then paged attention. With `positions`, q and k are raw and `qk_rope` is applied
-    in the same kernel as the KV write. slot_mapping may be shorter than q (host padding)."""
+    """The step of every impl on ATOM's cache layout (native, vLLM, SGLang): K/V into the
+    paged cache, then paged attention, which also gets the new K/V as dense rows (the
+    prefill kernel reads the new tokens' keys from them). With `positions`, q and k are
+    raw, `qk_rope` is applied in the same kernel as the KV write, and k is left rotated
+    (in place). slot_mapping may be shorter than q (host padding): only its tokens count."""
     slots = metadata.slot_mapping
+    n = slots.shape[0]
     if positions is not None:
         q = qk_rope.apply_and_write_kv(positions, q, k, v, key_cache, value_cache, slots)
     else:
-        n = slots.shape[0]
         write_kv_cache(k[:n], v[:n], key_cache, value_cache, slots)
     return paged_attention(
         q,
@@ -43,6 +45,8 @@ def write_kv_and_attend(
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         out=out,
+        key=k[:n],
+        value=v[:n],
     )
 
 

@@ -2,7 +2,7 @@
 
 A token's tiles are its q-head tiles followed by its KV-head tiles. A q tile normalises,
 rotates and stores into the new q; a KV tile does the same for k but stores into the
-token's cache slot, and copies v next to it. Each element is read and written once.
+token's cache slot and back into k, and copies v next to it. Each element is read once.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ def _rms_scale(x, inv_rms, weight_ptr, mask):
 
 @triton.jit
 def _norm_rope_heads(
-    src, dst, heads_ok, first, second, pair_ok, rest, rest_ok, cos, sin,
+    src, heads_ok, first, second, pair_ok, rest, rest_ok, cos, sin,
     weight_ptr, head_dim, eps,
     NORM: tl.constexpr, HAS_REST: tl.constexpr,
 ):  # fmt: skip
-    """src/dst: [BLOCK_H, 1] pointers to each head's channel 0; rotates pairs (first, second)."""
+    """src: [BLOCK_H, 1] pointers to each head's channel 0; returns the rotated pairs
+    (first, second) in fp32 and the unrotated rest (without HAS_REST: a stand-in that
+    _store_heads ignores), normalised."""
     pair_mask = heads_ok & pair_ok
     rest_mask = heads_ok & rest_ok
     x1 = tl.load(src + first, mask=pair_mask, other=0.0)
@@ -48,12 +50,20 @@ def _norm_rope_heads(
         x2 = _rms_scale(x2, inv_rms, weight_ptr + second, pair_ok)
         if HAS_REST:
             xr = _rms_scale(xr, inv_rms, weight_ptr + rest, rest_ok)
-    out_ty = dst.dtype.element_ty
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(dst + first, (a * cos - b * sin).to(out_ty), mask=pair_mask)
-    tl.store(dst + second, (b * cos + a * sin).to(out_ty), mask=pair_mask)
     if HAS_REST:
-        tl.store(dst + rest, xr.to(out_ty), mask=rest_mask)
+        return a * cos - b * sin, b * cos + a * sin, xr
+    return a * cos - b * sin, b * cos + a * sin, a
+
+
+@triton.jit
+def _store_heads(dst, heads_ok, first, second, pair_ok, rest, rest_ok, x1, x2, xr,
+                 HAS_REST: tl.constexpr):  # fmt: skip
+    out_ty = dst.dtype.element_ty
+    tl.store(dst + first, x1.to(out_ty), mask=heads_ok & pair_ok)
+    tl.store(dst + second, x2.to(out_ty), mask=heads_ok & pair_ok)
+    if HAS_REST:
+        tl.store(dst + rest, xr.to(out_ty), mask=heads_ok & rest_ok)
 
 
 # The token count changes every step: specialising on it (==1, %16) would recompile
@@ -88,23 +98,31 @@ def _fused_qkv_kernel(
     h = tl.arange(0, BLOCK_H)[:, None]
     if tile < num_q_tiles:
         heads = tile * BLOCK_H + h
-        _norm_rope_heads(
+        heads_ok = heads < num_q_heads
+        x1, x2, xr = _norm_rope_heads(
             q_ptr + token * q_stride_t + heads * q_stride_h,
-            q_out_ptr + token * out_stride_t + heads * out_stride_h,
-            heads < num_q_heads, first, second, pair_ok, rest, rest_ok, cos, sin,
+            heads_ok, first, second, pair_ok, rest, rest_ok, cos, sin,
             q_norm_ptr, head_dim, eps, NORM=NORM, HAS_REST=HAS_REST,
         )  # fmt: skip
+        _store_heads(q_out_ptr + token * out_stride_t + heads * out_stride_h, heads_ok,
+                     first, second, pair_ok, rest, rest_ok, x1, x2, xr, HAS_REST)  # fmt: skip
     else:
         heads = (tile - num_q_tiles) * BLOCK_H + h
         # Tokens past the slot mapping are a host's padding, like slot -1.
         slot = tl.load(slot_ptr + token, mask=token < num_slots, other=-1)
+        k_heads = k_ptr + token * k_stride_t + heads * k_stride_h
+        x1, x2, xr = _norm_rope_heads(
+            k_heads, heads < num_kv_heads, first, second, pair_ok, rest, rest_ok, cos, sin,
+            k_norm_ptr, head_dim, eps, NORM=NORM, HAS_REST=HAS_REST,
+        )  # fmt: skip
+        # Every row back into k (the step's new keys for attention), slots only into the cache.
+        _store_heads(k_heads, heads < num_kv_heads, first, second, pair_ok, rest, rest_ok,
+                     x1, x2, xr, HAS_REST)  # fmt: skip
         heads_ok = (heads < num_kv_heads) & (slot >= 0)
         block, offset = slot // block_size, slot % block_size
-        _norm_rope_heads(
-            k_ptr + token * k_stride_t + heads * k_stride_h,
+        _store_heads(
             key_cache_ptr + block * kc_stride_b + offset * kc_stride_s + heads * kc_stride_h,
-            heads_ok, first, second, pair_ok, rest, rest_ok, cos, sin,
-            k_norm_ptr, head_dim, eps, NORM=NORM, HAS_REST=HAS_REST,
+            heads_ok, first, second, pair_ok, rest, rest_ok, x1, x2, xr, HAS_REST,
         )  # fmt: skip
         vdims = tl.arange(0, BLOCK_DV)[None, :]
         vmask = heads_ok & (vdims < v_head_dim)

@@ -1,8 +1,8 @@
 """Paged attention over the DESIGN.md §3 schema: a split-K decode kernel with a reduction,
-and a tiled prefill kernel (causal, cached prefix, GQA, sliding window, soft cap).
+and the dispatch of a mixed batch (decodes here, prefills in prefill_attention.py).
 
-GQA: the query heads that share a KV head are processed together, so every K/V page is
-read once per KV head. Both kernels take their bounds from device tensors, so a captured
+GQA: the query heads that share a KV head are decoded together, so every K/V page is
+read once per KV head. The kernels take their bounds from device tensors, so a captured
 CUDA graph replays them for any sequence lengths.
 """
 
@@ -13,25 +13,15 @@ import triton
 import triton.language as tl
 
 from atom.kernels.policy import register
+from atom.kernels.triton.prefill_attention import prefill_attention
 
 # Launch parameters, from benchmarks/tune_attention.py on an H100 (bf16, head dim 128,
 # 32 q / 8 kv heads). Decode splits each sequence's keys only while there are too few
 # (sequence, kv head) programs to fill the GPU: 1 split from 512 programs up (64x8k,
-# 256x1k), 4 at 128 (16x8k). Prefill prefers 128-row tiles, long ones wide key blocks;
-# fp32 or heads wider than 128 take smaller tiles to fit shared memory.
+# 256x1k), 4 at 128 (16x8k).
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 DECODE_TARGET_PROGRAMS = 512
 MAX_DECODE_SPLITS = 16
-PREFILL_CONFIG = {
-    "rows": 128, "block_n": 32, "num_warps": 4, "num_stages": 2, "warp_specialize": False,
-}  # fmt: skip
-LONG_PREFILL_CONFIG = {
-    "rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 4, "warp_specialize": False,
-}  # fmt: skip
-LONG_PREFILL_TOKENS = 4096
-WIDE_PREFILL_CONFIG = {
-    "rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 3, "warp_specialize": False,
-}  # fmt: skip
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -52,17 +42,15 @@ def _load_page_rows(cache_ptr, table_row_ptr, n, n_valid, head, stride_b, stride
 
 @triton.jit
 def _attend_block(
-    q, m_i, l_i, acc, start, kv_end, q_pos, window,
+    q, m_i, l_i, acc, start, kv_end,
     k_cache_ptr, v_cache_ptr, table_row, kv_head,
     k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
     dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Folds keys [start, start + BLOCK_N) into the online-softmax state (log2 domain).
 
-    Unmasked blocks lie wholly below every row's causal bound and inside kv_end, so
-    they skip the bounds checks; only the diagonal and the ragged tail pay for them.
+    Every key before kv_end precedes the decoded token: only the ragged end is masked.
     """
     n = start + tl.arange(0, BLOCK_N)
     n_valid = n < kv_end
@@ -74,11 +62,7 @@ def _attend_block(
         s = soft_cap * (2 * tl.sigmoid(2 * s / soft_cap) - 1) * LOG2E  # tanh
     else:
         s = s * (scale * LOG2E)
-    if MASKED:
-        allowed = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        if USE_WINDOW:
-            allowed &= n[None, :] > q_pos[:, None] - window
-        s = tl.where(allowed, s, float("-inf"))
+    s = tl.where(n_valid[None, :], s, float("-inf"))
     v = _load_page_rows(v_cache_ptr, table_row, n, n_valid, kv_head, v_stride_b, v_stride_s,
                         v_stride_h, vdims, vdims < v_head_dim, block_size)  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -89,87 +73,8 @@ def _attend_block(
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-# seq_offset (the batch's decode count) and num_splits change from step to step:
-# specialising on them (==1, %16) would recompile the kernels mid-serving.
-@triton.jit(do_not_specialize=["seq_offset"])
-def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
-    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-    k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h, bt_stride,
-    scale, soft_cap, window, group, block_size, head_dim, v_head_dim, seq_offset,
-    BLOCK_M: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-):  # fmt: skip
-    seq = tl.program_id(0) + seq_offset
-    kv_head = tl.program_id(1)
-    # The last tiles of a sequence see the most keys: launch them first.
-    tile = tl.num_programs(2) - 1 - tl.program_id(2)
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    if tile * BLOCK_M >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context = seq_len - q_len
-
-    rows = tl.arange(0, BLOCK_M * GROUP)
-    token = tile * BLOCK_M + rows // GROUP
-    head = kv_head * group + rows % GROUP
-    row_valid = (token < q_len) & (rows % GROUP < group)
-    dims = tl.arange(0, BLOCK_D)
-    vdims = tl.arange(0, BLOCK_DV)
-    q_ptrs = (
-        q_ptr
-        + (q_start + token).to(tl.int64)[:, None] * q_stride_t
-        + head[:, None] * q_stride_h
-        + dims[None, :]
-    )
-    q = tl.load(q_ptrs, mask=row_valid[:, None] & (dims < head_dim)[None, :], other=0.0)
-    q_pos = context + token
-
-    first_row_pos = context + tile * BLOCK_M
-    kv_end = context + tl.minimum((tile + 1) * BLOCK_M, q_len)
-    # Keys below the tile's first query position are visible to every row of the tile.
-    full_end = first_row_pos // BLOCK_N * BLOCK_N
-    kv_start = 0
-    if USE_WINDOW:
-        kv_start = tl.maximum(0, first_row_pos - window + 1) // BLOCK_N * BLOCK_N
-        full_end = kv_start  # the window's lower edge needs the mask everywhere
-    m_i = tl.full([BLOCK_M * GROUP], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP, BLOCK_DV], tl.float32)
-    table_row = block_table_ptr + seq.to(tl.int64) * bt_stride
-    for start in tl.range(kv_start, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        m_i, l_i, acc = _attend_block(
-            q, m_i, l_i, acc, start, kv_end, q_pos, window,
-            k_cache_ptr, v_cache_ptr, table_row, kv_head,
-            k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
-            dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
-            BLOCK_N, False, USE_SOFT_CAP, USE_WINDOW, PRECISION,
-        )  # fmt: skip
-    for start in range(full_end, kv_end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(
-            q, m_i, l_i, acc, start, kv_end, q_pos, window,
-            k_cache_ptr, v_cache_ptr, table_row, kv_head,
-            k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
-            dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
-            BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, PRECISION,
-        )  # fmt: skip
-    acc = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
-    o_ptrs = (
-        out_ptr
-        + (q_start + token).to(tl.int64)[:, None] * o_stride_t
-        + head[:, None] * o_stride_h
-        + vdims[None, :]
-    )
-    tl.store(
-        o_ptrs,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & (vdims < v_head_dim)[None, :],
-    )
-
-
+# num_splits changes from step to step: specialising on it (==1, %16) would recompile
+# the kernels mid-serving.
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
@@ -202,19 +107,17 @@ def _decode_split_kernel(
     vdims = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + token * q_stride_t + head[:, None] * q_stride_h + dims[None, :],
                 mask=row_valid[:, None] & (dims < head_dim)[None, :], other=0.0)  # fmt: skip
-    q_pos = tl.full([GROUP], 0, tl.int32) + last_pos
     m_i = tl.full([GROUP], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP], tl.float32)
     acc = tl.zeros([GROUP, BLOCK_DV], tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * bt_stride
-    # Every key of the split precedes the query, so only the split's ragged end needs a mask.
     for start in range(split_start, split_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
-            q, m_i, l_i, acc, start, split_end, q_pos, window,
+            q, m_i, l_i, acc, start, split_end,
             k_cache_ptr, v_cache_ptr, table_row, kv_head,
             k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
             dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
-            BLOCK_N, True, USE_SOFT_CAP, False, PRECISION,
+            BLOCK_N, USE_SOFT_CAP, PRECISION,
         )  # fmt: skip
     out_mask = row_valid[:, None] & (vdims < v_head_dim)[None, :]
     if SINGLE_SPLIT:  # the state is already final: no partials, no reduce launch
@@ -337,46 +240,20 @@ def decode_attention(
         reduce_splits(part_out, part_max, part_sum, out, metadata.query_start_loc)
 
 
-def prefill_attention(
-    query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
-):
-    num_prefills = metadata.num_seqs - metadata.num_decodes
-    args = _common(query, key_cache, value_cache, sliding_window, logits_soft_cap)
-    # The 128-row tiles fit shared memory only for 16-bit heads up to 128 wide.
-    if query.element_size() != 2 or args["BLOCK_D"] > 128:
-        config = WIDE_PREFILL_CONFIG
-    elif metadata.max_query_len >= LONG_PREFILL_TOKENS:
-        config = LONG_PREFILL_CONFIG
-    else:
-        config = PREFILL_CONFIG
-    group_block = triton.next_power_of_2(args["group"])
-    block_m = max(1, config["rows"] // group_block)
-    num_tiles = triton.cdiv(metadata.max_query_len, block_m)
-    _prefill_kernel[(num_prefills, key_cache.shape[2], num_tiles)](
-        query, key_cache, value_cache, out,
-        metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        *_cache_strides(key_cache, value_cache), metadata.block_table.stride(0),
-        scale, args["soft_cap"], args["window"], args["group"], args["block_size"],
-        args["head_dim"], args["v_head_dim"], metadata.num_decodes,
-        BLOCK_M=block_m, GROUP=group_block, BLOCK_N=config["block_n"],
-        BLOCK_D=args["BLOCK_D"], BLOCK_DV=args["BLOCK_DV"],
-        USE_SOFT_CAP=args["USE_SOFT_CAP"], USE_WINDOW=args["USE_WINDOW"], PRECISION=args["PRECISION"],
-        WARP_SPECIALIZE=config["warp_specialize"],
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )  # fmt: skip
-
-
 @register("paged_attention", "triton")
 def paged_attention_triton(
-    query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
-):
+    query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
+    key=None, value=None,
+):  # fmt: skip
+    """key/value: the step's new K/V [T, Hkv, D] (see atom.kernels.paged_attention); the
+    prefill kernel reads the new tokens' keys from them instead of the pages."""
     if metadata.num_decodes:
         decode_attention(
             query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
         )
     if metadata.num_seqs > metadata.num_decodes:
         prefill_attention(
-            query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out
-        )
+            query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
+            key, value,
+        )  # fmt: skip
     return out
