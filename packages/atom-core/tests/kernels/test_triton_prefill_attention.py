@@ -179,8 +179,15 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_bf16_on_gpu(case, dense, variant):
+def test_bf16_on_gpu(case, dense):
+    check(GPU_CASES[case], dense, None, dtype=torch.bfloat16, whole=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["window", "soft cap"])
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("case", ["long + prefixes", "page 1"])
+def test_bf16_window_and_soft_cap_on_gpu(case, dense, variant):
     check(GPU_CASES[case], dense, None, *VARIANTS[variant], dtype=torch.bfloat16, whole=True)
