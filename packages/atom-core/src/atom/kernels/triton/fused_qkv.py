@@ -51,9 +51,10 @@ def _norm_rope_heads(
         if HAS_REST:
             xr = _rms_scale(xr, inv_rms, weight_ptr + rest, rest_ok)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    if HAS_REST:
-        return a * cos - b * sin, b * cos + a * sin, xr
-    return a * cos - b * sin, b * cos + a * sin, a
+    # One return: the compiler unifies the types of every return, constexpr branches too.
+    if not HAS_REST:
+        xr = a
+    return a * cos - b * sin, b * cos + a * sin, xr
 
 
 @triton.jit
