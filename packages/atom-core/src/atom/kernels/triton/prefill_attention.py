@@ -9,7 +9,7 @@ A sequence's keys come from two places:
   (every host has them: it has just written them into the cache), read through TMA
   descriptors on Hopper and newer; without them, the pages as well.
 Tiles hold one query head: with GQA-packed tiles (all heads of a KV head) the H200 probe
-(.scratch/gpu/prefill_probe.py) ran no faster and the tile shape would follow the group.
+(2026-11-22) ran no faster, and the tile shape would follow the group size.
 Key blocks below a tile's first query are visible to all its rows and skip the mask;
 only the diagonal blocks (and, with a sliding window, every block) pay for it.
 """
