@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -48,6 +49,17 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+    @cached_property
+    def prefills_have_context(self) -> bool:
+        """Whether any prefill sequence has cached context, from the host copies (no device
+        sync; without them, assumed). Once per step: every layer's attention asks."""
+        if self.seq_lens_cpu is None or self.query_start_loc_cpu is None:
+            return True
+        first, end = self.num_decodes, self.num_seqs
+        starts = self.query_start_loc_cpu.numpy()  # numpy: a few us, torch ops ~20
+        new_tokens = int(starts[end] - starts[first])
+        return int(self.seq_lens_cpu.numpy()[first:end].sum()) > new_tokens  # contexts >= 0
 
     def host_query_start_loc(self) -> list[int]:
         src = (

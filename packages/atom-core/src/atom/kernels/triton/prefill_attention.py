@@ -281,17 +281,6 @@ def _page_rows_per_entry(page_size: int, block_n: int) -> int:
     return 0
 
 
-def _has_prefix(metadata) -> bool:
-    """Whether a prefill has cached context, from the host copies (no device sync);
-    without them, assumed."""
-    if metadata.seq_lens_cpu is None or metadata.query_start_loc_cpu is None:
-        return True
-    first, end = metadata.num_decodes, metadata.num_seqs
-    starts = metadata.query_start_loc_cpu.numpy()  # numpy: a few us per layer, not ~20
-    new_tokens = int(starts[end] - starts[first])
-    return int(metadata.seq_lens_cpu.numpy()[first:end].sum()) > new_tokens  # contexts >= 0
-
-
 def _use_tma(config: dict, query, key, value, v_head_dim: int) -> bool:
     """Descriptors read whole power-of-two heads from 16-byte aligned rows; the default
     configs ask for them only in 16-bit (tests force them in fp32 under the interpreter)."""
@@ -344,7 +333,7 @@ def prefill_attention(
         BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, PAGE_ROWS=_page_rows_per_entry(page_size, block_n),
-        DENSE_KV=dense, HAS_PREFIX=not dense or _has_prefix(metadata), USE_TMA=use_tma,
+        DENSE_KV=dense, HAS_PREFIX=not dense or metadata.prefills_have_context, USE_TMA=use_tma,
         USE_SOFT_CAP=bool(logits_soft_cap), USE_WINDOW=bool(sliding_window),
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config["num_warps"], num_stages=config["num_stages"],
