@@ -7,8 +7,6 @@ to the GPU run, while its scales and the GEMM (fp8 inputs from torch) are checke
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,17 +18,11 @@ from atom.kernels.fp8 import (
     quantize_fp8_per_token_group_torch,
 )
 from atom.kernels.policy import selected_backend
+from atom.testing.triton_device import triton_test_device
 
 triton = pytest.importorskip("triton")
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    pytest.skip(
-        "Triton kernels need a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True
-    )
+DEVICE = triton_test_device()
 
 from atom.kernels.triton.fp8 import (  # noqa: E402
     fp8_scaled_mm_triton,

@@ -6,7 +6,6 @@ interpreter (TRITON_INTERPRET=1), and is skipped otherwise (CI).
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -18,17 +17,11 @@ from atom.kernels.kv_cache import write_kv_cache_torch
 from atom.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from atom.kernels.paged_attention import paged_attention_torch
 from atom.kernels.rotary import apply_rotary_emb_torch, compute_cos_sin_cache
+from atom.testing.triton_device import triton_test_device
 
 triton = pytest.importorskip("triton")
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    pytest.skip(
-        "Triton kernels need a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True
-    )
+DEVICE = triton_test_device()
 
 from atom.kernels.triton import activation, kv_cache, norm, paged_attention, rotary  # noqa: E402
 

@@ -6,7 +6,6 @@ shapes (128 heads, L=512, R=64, contexts to 8k), bf16 and CUDA-graph replay need
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -21,17 +20,11 @@ from atom.kernels.mla import (
 )
 from atom.layers.attention import AttentionSpec
 from atom.layers.mla_impl import NativeMLAImpl
+from atom.testing.triton_device import triton_test_device
 
 pytest.importorskip("triton")
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    pytest.skip(
-        "Triton kernels need a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True
-    )
+DEVICE = triton_test_device()
 
 from atom.kernels.triton import mla  # noqa: E402
 

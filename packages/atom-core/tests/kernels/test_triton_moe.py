@@ -7,24 +7,16 @@ interpreter rounds to e4m3 differently from the hardware).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from atom.kernels.fp8 import quantize_fp8_per_block
 from atom.kernels.moe import fused_moe_torch, grouped_topk_torch, topk_softmax_torch
+from atom.testing.triton_device import triton_test_device
 
 triton = pytest.importorskip("triton")
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    pytest.skip(
-        "Triton kernels need a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True
-    )
+DEVICE = triton_test_device()
 
 from atom.kernels.triton.fused_moe import MoEConfig, fused_moe_triton  # noqa: E402
 from atom.kernels.triton.moe_align import align_to_experts, max_padded_rows  # noqa: E402

@@ -10,7 +10,6 @@ the descriptor path; the `gpu` cases run bf16 with the configs the dispatch pick
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -18,17 +17,11 @@ import torch
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels.paged_attention import gather_pages, paged_attention_torch
+from atom.testing.triton_device import triton_test_device
 
 pytest.importorskip("triton")
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    pytest.skip(
-        "Triton kernels need a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True
-    )
+DEVICE = triton_test_device()
 
 from atom.kernels.triton import paged_attention, prefill_attention  # noqa: E402
 
