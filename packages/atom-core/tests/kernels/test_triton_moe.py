@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 DEVICE = triton_test_device()
 
-from atom.kernels.triton.fused_moe import MoEConfig, fused_moe_triton  # noqa: E402
+from atom.kernels.triton.fused_moe import GemmTiles, MoEConfig, fused_moe_triton  # noqa: E402
 from atom.kernels.triton.moe_align import align_to_experts, max_padded_rows  # noqa: E402
 from atom.kernels.triton.moe_routing import grouped_topk_triton, topk_softmax_triton  # noqa: E402
 
@@ -152,10 +152,15 @@ def test_fused_moe(num_tokens, num_experts, top_k, hidden, inter, dtype):
 
 @pytest.mark.parametrize(
     "config",
-    [MoEConfig(16, 32, 32), MoEConfig(32, 64, 32, group_m=4), MoEConfig(64, 16, 16, group_m=3)],
+    [
+        MoEConfig.same(16, 32, 32),
+        MoEConfig(32, GemmTiles(64, 32, group_m=4), GemmTiles(16, 16, group_m=2)),
+        MoEConfig(64, GemmTiles(16, 16, group_m=3), GemmTiles(128, 32)),
+    ],
 )
 def test_fused_moe_tile_configs(config):
-    """Every tile shape computes the same thing (masks on M, N and K; grouped block order)."""
+    """Every tile shape computes the same thing (masks on M, N and K; grouped block order),
+    also when the two GEMMs tile differently (the down N-tile wider or narrower)."""
     w13, w2 = moe_weights(8, 80, 40, torch.float32)
     x, weights, ids = routed(45, 8, 2, 80, torch.float32)
     got = fused_moe_triton(x, w13, w2, weights, ids, "silu", None, None, None, config=config)
@@ -187,25 +192,46 @@ def test_fused_moe_fp8_row_scales(num_tokens, per_row):
     assert relative_error(got, want) < (1e-2 if ON_GPU else 1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_experts, top_k", [(16, 2), (128, 8)])
-@pytest.mark.parametrize("num_tokens", TOKENS)
-def test_fused_moe_fp8_block(num_tokens, num_experts, top_k):
-    """128x128 block-scaled experts, activations quantized per token per 128 columns."""
-    hidden, inter = 512, 384
+def fp8_block_experts(num_experts, hidden, inter):
     w13, w2 = moe_weights(num_experts, hidden, inter, torch.float32)
     q13, s13 = zip(*(quantize_fp8_per_block(w) for w in w13))
     q2, s2 = zip(*(quantize_fp8_per_block(w) for w in w2))
-    q13, s13, q2, s2 = (torch.stack(t) for t in (q13, s13, q2, s2))
+    return (torch.stack(t) for t in (q13, s13, q2, s2))
+
+
+# The sweep's wide down tile: N-tiles spanning two scale blocks, K-tiles half of one.
+SPLIT_TILES = MoEConfig(64, GemmTiles(64, 128, group_m=8), GemmTiles(256, 64, 16, num_warps=8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, SPLIT_TILES])
+@pytest.mark.parametrize("num_experts, top_k", [(16, 2), (128, 8)])
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_fused_moe_fp8_block(num_tokens, num_experts, top_k, config):
+    """128x128 block-scaled experts, activations quantized per token per 128 columns."""
+    hidden, inter = 512, 384
+    q13, s13, q2, s2 = fp8_block_experts(num_experts, hidden, inter)
     x, weights, ids = routed(num_tokens, num_experts, top_k, hidden, torch.bfloat16)
     args = (x, q13, q2, weights, ids, "silu", s13, s2, (128, 128))
-    got, want = fused_moe_triton(*args), fused_moe_torch(*args)
+    got, want = fused_moe_triton(*args, config=config), fused_moe_torch(*args)
     # Both quantize the intermediate activations: a bf16 rounding apart can move one
     # activation by an fp8 step (1/8 relative), so a rare output element strays further
     # than the rest (seen on H200: 1 in 153,600).
     assert relative_error(got, want) < 3e-2
     far = ~torch.isclose(got.float(), want.float(), atol=5e-2, rtol=5e-2)
     assert far.float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("gemm", ["gate_up", "down"])
+def test_fp8_block_rejects_k_tiles_across_scale_blocks(gemm):
+    """Each GEMM's K loop applies one weight scale per step: a K-tile must not straddle two."""
+    q13, s13, q2, s2 = fp8_block_experts(4, 256, 256)
+    x, weights, ids = routed(3, 4, 2, 256, torch.float32)
+    tiles = {"gate_up": GemmTiles(32, 128), "down": GemmTiles(32, 128), gemm: GemmTiles(32, 96)}
+    with pytest.raises(ValueError, match="must divide 128"):
+        fused_moe_triton(
+            x, q13, q2, weights, ids, "silu", s13, s2, (128, 128), config=MoEConfig(16, **tiles)
+        )
 
 
 @pytest.mark.gpu

@@ -26,13 +26,31 @@ NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class MoEConfig:
-    block_m: int
+class GemmTiles:
+    """The launch shape of one grouped GEMM (its M tile is MoEConfig.block_m)."""
+
     block_n: int
     block_k: int
     group_m: int = 1  # M-blocks swept per N-tile before moving on (L2 reuse of weights)
     num_warps: int = 4
     num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tiles of the two GEMMs. They share block_m because both walk the row blocks that
+    align_to_experts lays out; the rest differs because the gated w13 GEMM holds two
+    accumulators (gate and up), so an N-tile the w2 GEMM fills well can spill there."""
+
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+    @classmethod
+    def same(cls, block_m: int, *tiles, **kwargs) -> MoEConfig:
+        """Both GEMMs with GemmTiles(*tiles, **kwargs)."""
+        both = GemmTiles(*tiles, **kwargs)
+        return cls(block_m, both, both)
 
 
 @triton.jit
@@ -145,16 +163,16 @@ def pick_config(
         used_blocks = min(num_rows, num_experts)
         wide = used_blocks * triton.cdiv(inter, 64) >= 2 * _num_sms(device)
         deep = 3 if fp32 or fp8_block else 4
-        return MoEConfig(16, 64 if wide else 32, block_k if fp32 else 128, 1, 4, deep)
+        return MoEConfig.same(16, 64 if wide else 32, block_k if fp32 else 128, 1, 4, deep)
     if rows_per_expert <= 64:
-        return MoEConfig(32, 64, block_k, 4, 4, stages)
+        return MoEConfig.same(32, 64, block_k, 4, 4, stages)
     block_n = 64 if fp32 else 128
     # H200 sweep, T=4096 (256 rows per expert): bf16 0.86 ms with 128x128x64 and eight
     # warps vs 1.01 ms with 64x128x64 and four; FP8 0.88 ms with 64x128x128 and eight
     # warps vs 2.15 ms with four.
     if rows_per_expert <= 256 and (fp32 or fp8_block):
-        return MoEConfig(64, block_n, block_k, 8, 4 if fp32 else 8, stages)
-    return MoEConfig(128, block_n, block_k, 8, 8, stages)
+        return MoEConfig.same(64, block_n, block_k, 8, 4 if fp32 else 8, stages)
+    return MoEConfig.same(128, block_n, block_k, 8, 8, stages)
 
 
 def _row_scale(scale: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, int, int]:
@@ -187,8 +205,9 @@ def sum_top_k(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_gemm(
-    a, a_scale, w, w_scale, out, aligned, cfg, block_size, *, gated, a_row_div, routing_weights=None
-):
+    a, a_scale, w, w_scale, out, aligned, block_m, tiles: GemmTiles, block_size, *,
+    gated, a_row_div, routing_weights=None,
+):  # fmt: skip
     sorted_rows, block_expert = aligned
     w = w if w.stride(-1) == 1 else w.contiguous()
     num_experts, n_total, k = w.shape
@@ -202,7 +221,7 @@ def _launch_gemm(
         scales, s_strides = BLOCK_SCALE, w_scale.stride()
     group_n, group_k = block_size if block_size is not None else (1, 1)
     max_blocks = block_expert.numel()
-    grid = (max_blocks * triton.cdiv(n, cfg.block_n),)
+    grid = (max_blocks * triton.cdiv(n, tiles.block_n),)
     _moe_gemm_kernel[grid](
         a, a if a_scale is None else a_scale, w, w_scale, out,
         out if routing_weights is None else routing_weights, sorted_rows, block_expert,
@@ -211,9 +230,9 @@ def _launch_gemm(
         *s_strides, out.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, APPLY_WEIGHT=routing_weights is not None,
         SCALES=scales, GROUP_N=group_n, GROUP_K=group_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
@@ -242,19 +261,20 @@ def fused_moe_triton(
     cfg = config or pick_config(
         num_tokens * top_k, num_experts, inter, hidden.dtype, fp8_block, hidden.device
     )
-    if fp8_block and block_size[1] % cfg.block_k:
+    if fp8_block and any(block_size[1] % t.block_k for t in (cfg.gate_up, cfg.down)):
         # The K loop applies one scale per step.
-        raise ValueError(f"FP8 block MoE: K tile {cfg.block_k} must divide {block_size[1]}")
+        raise ValueError(f"FP8 block MoE: the K tiles of {cfg} must divide {block_size[1]}")
     aligned = align_to_experts(topk_ids, num_experts, cfg.block_m)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     a, a_scale = _activations(hidden, block_size)
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     _launch_gemm(
-        a, a_scale, w13, w13_scale, act, aligned, cfg, block_size, gated=True, a_row_div=top_k
-    )
+        a, a_scale, w13, w13_scale, act, aligned, cfg.block_m, cfg.gate_up, block_size,
+        gated=True, a_row_div=top_k,
+    )  # fmt: skip
     a, a_scale = _activations(act, block_size)
     _launch_gemm(
-        a, a_scale, w2, w2_scale, out.view(-1, w2.shape[1]), aligned, cfg, block_size,
-        gated=False, a_row_div=1, routing_weights=topk_weights.reshape(-1),
+        a, a_scale, w2, w2_scale, out.view(-1, w2.shape[1]), aligned, cfg.block_m, cfg.down,
+        block_size, gated=False, a_row_div=1, routing_weights=topk_weights.reshape(-1),
     )  # fmt: skip
     return sum_top_k(out)
