@@ -3,13 +3,18 @@
 Decode: DECODE_CONFIG of atom.kernels.triton.paged_attention. Prefill: the configs of
 atom.kernels.triton.prefill_attention (SHORT / MEDIUM / LONG by query length), timed
 with the new tokens' K/V dense, as every host runs it; the prefixed shape times the
-cached-prefix path. Usage: python benchmarks/tune_attention.py [--only decode|prefill]
+cached-prefix path. The prefill configs compile in parallel first
+(benchmarks/precompile.py), and each is checked against the default config's output. Usage (repo root):
+    PYTHONPATH=packages/atom-core/src:. python benchmarks/tune_attention.py \
+        [--only decode|prefill] [--shapes LABEL ...] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
+import json
 from functools import partial
 
 import torch
@@ -18,12 +23,14 @@ import triton
 from atom.kernels.triton import paged_attention as pa
 from atom.kernels.triton import prefill_attention as prefill
 from benchmarks.kernels import paged_batch
+from benchmarks.precompile import precompile, worker_pool
 
 SCALE = 128**-0.5
 
 
-def best(label: str, runs, unit: str) -> None:
-    """runs: (config, callable, work) for one shape; prints the three fastest."""
+def best(label: str, runs, unit: str) -> list[tuple[float, dict]]:
+    """runs: (config, callable, work) for one shape; prints the three fastest and returns
+    every (rate, config), fastest first."""
     results = []
     for config, fn, work in runs:
         try:
@@ -35,6 +42,7 @@ def best(label: str, runs, unit: str) -> None:
     results.sort(key=lambda r: -r[0])
     for rate, config in results[:3]:
         print(f"{label:<26} {rate:8.0f} {unit}  {config}", flush=True)
+    return results
 
 
 def configs(space: dict):
@@ -65,38 +73,78 @@ def tune_decode() -> None:
     pa.DECODE_CONFIG.update(default)
 
 
-def tune_prefill() -> None:
-    # label: (new tokens per sequence, cached context, sequences)
-    shapes = {
-        "prefill 64x512 (SHORT)": (512, 0, 64),
-        "prefill 16x2048 (MEDIUM)": (2048, 0, 16),
-        "prefill 4x8192 (LONG)": (8192, 0, 4),
-        "prefill 8x1024 +1024 ctx": (1024, 1024, 8),
-    }
-    space = {"block_m": [64, 128], "block_n": [32, 64, 128], "num_warps": [4, 8],
-             "num_stages": [2, 3, 4], "tma": [True, False]}  # fmt: skip
-    for label, (length, ctx, batch) in shapes.items():
-        q, k, v, md, key, value = paged_batch([length] * batch, [ctx] * batch)
-        out = torch.empty_like(q)
+# label: (new tokens per sequence, cached context, sequences)
+PREFILL_SHAPES = {
+    "prefill 64x512 (SHORT)": (512, 0, 64),
+    "prefill 16x2048 (MEDIUM)": (2048, 0, 16),
+    "prefill 4x8192 (LONG)": (8192, 0, 4),
+    "prefill 8x1024 +1024 ctx": (1024, 1024, 8),
+}
+PREFILL_SPACE = {"block_m": [64, 128], "block_n": [64, 128], "num_warps": [4, 8],
+                 "num_stages": [2, 3, 4], "tma": [True], "one_loop": [True, False]}  # fmt: skip
+
+
+@functools.cache
+def prefill_inputs(label: str):
+    length, ctx, batch = PREFILL_SHAPES[label]
+    torch.manual_seed(0)
+    q, k, v, md, key, value = paged_batch([length] * batch, [ctx] * batch)
+    return q, k, v, md, key, value, torch.empty_like(q)
+
+
+def run_prefill(item) -> torch.Tensor:
+    """One launch of config on a shape (also a precompile worker's job); returns the output."""
+    label, config = item
+    q, k, v, md, key, value, out = prefill_inputs(label)
+    prefill.prefill_attention(q, k, v, md, SCALE, None, None, out, key, value, config=config)
+    return out
+
+
+def tune_prefill(shapes: list[str], pool) -> list[dict]:
+    space = list(configs(PREFILL_SPACE))
+    items = [(label, c) for label in shapes for c in space]
+    compiled = precompile(run_prefill, items, pool)
+    results = []
+    for label in shapes:
+        length, ctx, batch = PREFILL_SHAPES[label]
         # Query-key pairs: the causal half of the new block plus the whole prefix.
         tflop = 4 * batch * (length * length / 2 + length * ctx) * 32 * 128 / 1e9
-        runs = [
-            (c, partial(prefill.prefill_attention, q, k, v, md, SCALE, None, None, out,
-                        key, value, config=c), tflop)
-            for c in configs(space)
-        ]  # fmt: skip
-        best(label, runs, "TFLOP/s")
+        q = prefill_inputs(label)[0]
+        default = prefill.pick_config(q, 128, length)
+        want = run_prefill((label, default)).clone()
+        runs = []
+        for (shape, config), ok in zip(items, compiled):
+            if not ok or shape != label:
+                continue
+            fn = partial(run_prefill, (label, config))
+            error = (fn().float() - want.float()).abs().max().item()
+            if error > 5e-2:  # compiles but computes wrong: no candidate
+                print(f"  {config}: max |diff| {error:.3f} from the default config", flush=True)
+                continue
+            runs.append((config, fn, tflop))
+        rate = tflop / triton.testing.do_bench(partial(run_prefill, (label, default)))
+        print(f"{label:<26} {rate:8.0f} TFLOP/s  default {default}", flush=True)
+        for rate, config in best(label, runs, "TFLOP/s"):
+            results.append({"shape": label, "TFLOP/s": rate, "config": config})
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", choices=["decode", "prefill"])
+    parser.add_argument("--shapes", nargs="+", choices=list(PREFILL_SHAPES),
+                        default=list(PREFILL_SHAPES), help="prefill shapes to sweep")  # fmt: skip
+    parser.add_argument("--json", help="write the prefill results (every config, per shape)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.only != "prefill":
         tune_decode()
     if args.only != "decode":
-        tune_prefill()
+        with worker_pool() as pool:
+            results = tune_prefill(args.shapes, pool)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -87,73 +87,67 @@ def _page_rows(cache_ptr, table_row, start, end, page_stride, slot_stride, dims,
 
 
 @triton.jit
-def _dense_rows(ptr, desc, row0, start, end, row_stride, dims, dims_ok,
-                MASKED: tl.constexpr, MASK_DIMS: tl.constexpr, USE_TMA: tl.constexpr,
-                BLOCK_N: tl.constexpr):  # fmt: skip
-    """Rows row0 + [start, start + BLOCK_N) of a dense [T, D] head view; rows at or past
-    `end` read zeros (a descriptor reads the next sequence's rows there, or zeros past T)."""
-    n = start + tl.arange(0, BLOCK_N)
+def _dense_rows(ptr, desc, start, end, row_stride, dims, dims_ok, MASK_ROWS: tl.constexpr,
+                MASK_DIMS: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Rows [start, start + BLOCK_N) of one sequence's dense [new tokens, D] head view.
+
+    The descriptor spans the sequence alone, so it reads zeros past its end; pointer loads
+    read zeros past `end` when MASK_ROWS (rows past the sequence may be a host's padding)."""
     if USE_TMA:
-        x = desc.load([row0 + start, 0])
-        if MASKED:
-            x = tl.where((n < end)[:, None], x, 0.0)
-        return x
-    ptrs = ptr + (row0 + n).to(tl.int64)[:, None] * row_stride + dims[None, :]
-    return _load(ptrs, (n < end)[:, None], dims_ok[None, :], MASKED, MASK_DIMS)
+        return desc.load([start, 0])
+    n = start + tl.arange(0, BLOCK_N)
+    ptrs = ptr + n.to(tl.int64)[:, None] * row_stride + dims[None, :]
+    return _load(ptrs, (n < end)[:, None], dims_ok[None, :], MASK_ROWS, MASK_DIMS)
 
 
 @triton.jit
-def _softmax_step(q, k, v, m_i, l_i, acc, n, end, q_index, window, scale, soft_cap,
-                  MASKED: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-                  PRECISION: tl.constexpr):  # fmt: skip
+def _fold(q, k, v, m_i, l_i, acc, n, last, first, masked, scale, soft_cap,
+          USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """Folds one key block into the online softmax (log2 domain).
 
-    n: the block's key indices and q_index the rows', in one index space (positions, or
-    new-token indices); a key is visible when n <= q_index, n < end and, with a window,
-    n > q_index - window.
+    n: the block's key indices; row r sees keys in (first[r], last[r]] (first only with a
+    window). masked: some row does not see the whole block. Without a window every row
+    has seen a key by its first block, so the running max is finite and -inf scores need
+    no care.
     """
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if USE_SOFT_CAP:
-        s = soft_cap * LOG2E * (2 * tl.sigmoid(2 * (s * scale) / soft_cap) - 1)  # tanh
-    if MASKED:
-        if not USE_SOFT_CAP:
-            s = s * (scale * LOG2E)
-        visible = (n[None, :] <= q_index[:, None]) & (n < end)[None, :]
+        s = soft_cap * (2 * tl.sigmoid(2 * (s * scale) / soft_cap) - 1)  # tanh
+        s_scale = LOG2E
+    else:
+        s_scale = scale * LOG2E
+    if masked:
+        visible = n[None, :] <= last[:, None]
         if USE_WINDOW:
-            visible &= n[None, :] > q_index[:, None] - window
+            visible &= n[None, :] > first[:, None]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-    else:  # every key visible: the scale folds into one FMA
-        if USE_SOFT_CAP:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * (scale * LOG2E))
-            p = tl.exp2(s * (scale * LOG2E) - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
+    m_exp = m_new
+    if USE_WINDOW:  # rows that have seen no key yet: exp2(-inf - -inf) would be NaN
+        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * s_scale - m_exp[:, None])
+    alpha = tl.exp2(m_i - m_exp)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
 
-# seq_offset (the batch's decode count) and num_tokens change from step to step:
-# specialising on them (==1, %16) would recompile the kernel mid-serving.
-@triton.jit(do_not_specialize=["seq_offset", "num_tokens"])
+# seq_offset (the batch's decode count) changes from step to step: specialising on it
+# (==1, %16) would recompile the kernel mid-serving.
+@triton.jit(do_not_specialize=["seq_offset"])
 def _prefill_kernel(
     q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_table_ptr, seq_lens_ptr, query_start_ptr,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     key_stride_t, key_stride_h, value_stride_t, value_stride_h,
     k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h, bt_stride,
-    scale, soft_cap, window, group, seq_offset, num_tokens,
+    scale, soft_cap, window, group, seq_offset,
     HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGE_ROWS: tl.constexpr,
     DENSE_KV: tl.constexpr, HAS_PREFIX: tl.constexpr, USE_TMA: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    ONE_LOOP: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     seq = tl.program_id(1) + seq_offset
@@ -185,76 +179,98 @@ def _prefill_kernel(
     tile_end = tl.minimum(first_token + BLOCK_M, q_len)  # new tokens the tile can see
 
     # Keys from the pages, in position space: the cached prefix, or every key without
-    # dense K/V. Blocks start at multiples of BLOCK_N, so page aligned.
+    # dense K/V. Blocks start at multiples of BLOCK_N, so page aligned. Key blocks below
+    # full_end are visible to every row of the tile (none with a window).
     if HAS_PREFIX or not DENSE_KV:
         table_row = block_table_ptr + seq.to(tl.int64) * bt_stride
         k_pages = k_cache_ptr + kv_head * k_stride_h
         v_pages = v_cache_ptr + kv_head * v_stride_h
-        q_pos = context + token
         paged_end = context
         if not DENSE_KV:
             paged_end = context + tile_end
+        last = tl.minimum(context + token, paged_end - 1)
+        first = context + token - window
         lo = 0
         full_end = tl.minimum(context + first_token, paged_end) // BLOCK_N * BLOCK_N
         if USE_WINDOW:  # the window's lower edge needs the mask everywhere
             lo = tl.maximum(0, context + first_token - window + 1) // BLOCK_N * BLOCK_N
             full_end = lo
-        for start in tl.range(lo, full_end, BLOCK_N):
-            k = _page_rows(k_pages, table_row, start, paged_end, k_stride_b, k_stride_s, dims,
-                           dims_ok, False, MASK_D, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_D)  # fmt: skip
-            v = _page_rows(v_pages, table_row, start, paged_end, v_stride_b, v_stride_s, vdims,
-                           vdims_ok, False, MASK_DV, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_DV)  # fmt: skip
-            n = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, n, paged_end, q_pos, window,
-                                          scale, soft_cap, False, USE_SOFT_CAP, USE_WINDOW,
-                                          PRECISION)  # fmt: skip
-        for start in range(full_end, paged_end, BLOCK_N):
-            k = _page_rows(k_pages, table_row, start, paged_end, k_stride_b, k_stride_s, dims,
-                           dims_ok, True, MASK_D, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_D)  # fmt: skip
-            v = _page_rows(v_pages, table_row, start, paged_end, v_stride_b, v_stride_s, vdims,
-                           vdims_ok, True, MASK_DV, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_DV)  # fmt: skip
-            n = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, n, paged_end, q_pos, window,
-                                          scale, soft_cap, True, USE_SOFT_CAP, USE_WINDOW,
-                                          PRECISION)  # fmt: skip
+        if ONE_LOOP:
+            for start in tl.range(lo, paged_end, BLOCK_N):
+                k = _page_rows(k_pages, table_row, start, paged_end, k_stride_b, k_stride_s, dims,
+                               dims_ok, True, MASK_D, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_D)  # fmt: skip
+                v = _page_rows(v_pages, table_row, start, paged_end, v_stride_b, v_stride_s,
+                               vdims, vdims_ok, True, MASK_DV, PAGE_SIZE, PAGE_ROWS, BLOCK_N,
+                               BLOCK_DV)  # fmt: skip
+                m_i, l_i, acc = _fold(q, k, v, m_i, l_i, acc, start + tl.arange(0, BLOCK_N),
+                                      last, first, start >= full_end, scale, soft_cap,
+                                      USE_SOFT_CAP, USE_WINDOW, PRECISION)  # fmt: skip
+        else:
+            for start in tl.range(lo, full_end, BLOCK_N):
+                k = _page_rows(k_pages, table_row, start, paged_end, k_stride_b, k_stride_s, dims,
+                               dims_ok, False, MASK_D, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_D)  # fmt: skip
+                v = _page_rows(v_pages, table_row, start, paged_end, v_stride_b, v_stride_s,
+                               vdims, vdims_ok, False, MASK_DV, PAGE_SIZE, PAGE_ROWS, BLOCK_N,
+                               BLOCK_DV)  # fmt: skip
+                m_i, l_i, acc = _fold(q, k, v, m_i, l_i, acc, start + tl.arange(0, BLOCK_N),
+                                      last, first, False, scale, soft_cap,
+                                      USE_SOFT_CAP, USE_WINDOW, PRECISION)  # fmt: skip
+            for start in range(full_end, paged_end, BLOCK_N):
+                k = _page_rows(k_pages, table_row, start, paged_end, k_stride_b, k_stride_s, dims,
+                               dims_ok, True, MASK_D, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_D)  # fmt: skip
+                v = _page_rows(v_pages, table_row, start, paged_end, v_stride_b, v_stride_s,
+                               vdims, vdims_ok, True, MASK_DV, PAGE_SIZE, PAGE_ROWS, BLOCK_N,
+                               BLOCK_DV)  # fmt: skip
+                m_i, l_i, acc = _fold(q, k, v, m_i, l_i, acc, start + tl.arange(0, BLOCK_N),
+                                      last, first, True, scale, soft_cap,
+                                      USE_SOFT_CAP, USE_WINDOW, PRECISION)  # fmt: skip
 
     # The sequence's new keys from the dense K/V, in new-token index space.
     if DENSE_KV:
-        k_head = key_ptr + kv_head * key_stride_h
-        v_head = value_ptr + kv_head * value_stride_h
+        k_seq = key_ptr + q_start.to(tl.int64) * key_stride_t + kv_head * key_stride_h
+        v_seq = value_ptr + q_start.to(tl.int64) * value_stride_t + kv_head * value_stride_h
         if USE_TMA:
-            k_desc = tl.make_tensor_descriptor(k_head, shape=[num_tokens, HEAD_DIM],
+            k_desc = tl.make_tensor_descriptor(k_seq, shape=[q_len, HEAD_DIM],
                                                strides=[key_stride_t, 1],
                                                block_shape=[BLOCK_N, HEAD_DIM])  # fmt: skip
-            v_desc = tl.make_tensor_descriptor(v_head, shape=[num_tokens, V_HEAD_DIM],
+            v_desc = tl.make_tensor_descriptor(v_seq, shape=[q_len, V_HEAD_DIM],
                                                strides=[value_stride_t, 1],
                                                block_shape=[BLOCK_N, V_HEAD_DIM])  # fmt: skip
         else:
-            k_desc = k_head
-            v_desc = v_head
+            k_desc = k_seq
+            v_desc = v_seq
+        first = token - window
         lo = 0
         full_end = first_token // BLOCK_N * BLOCK_N
         if USE_WINDOW:
             lo = tl.maximum(0, first_token - window + 1) // BLOCK_N * BLOCK_N
             full_end = lo
-        for start in tl.range(lo, full_end, BLOCK_N):
-            k = _dense_rows(k_head, k_desc, q_start, start, tile_end, key_stride_t, dims, dims_ok,
-                            False, MASK_D, USE_TMA, BLOCK_N)  # fmt: skip
-            v = _dense_rows(v_head, v_desc, q_start, start, tile_end, value_stride_t, vdims,
-                            vdims_ok, False, MASK_DV, USE_TMA, BLOCK_N)  # fmt: skip
-            n = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, n, tile_end, token, window,
-                                          scale, soft_cap, False, USE_SOFT_CAP, USE_WINDOW,
-                                          PRECISION)  # fmt: skip
-        for start in range(full_end, tile_end, BLOCK_N):
-            k = _dense_rows(k_head, k_desc, q_start, start, tile_end, key_stride_t, dims, dims_ok,
-                            True, MASK_D, USE_TMA, BLOCK_N)  # fmt: skip
-            v = _dense_rows(v_head, v_desc, q_start, start, tile_end, value_stride_t, vdims,
-                            vdims_ok, True, MASK_DV, USE_TMA, BLOCK_N)  # fmt: skip
-            n = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, n, tile_end, token, window,
-                                          scale, soft_cap, True, USE_SOFT_CAP, USE_WINDOW,
-                                          PRECISION)  # fmt: skip
+        if ONE_LOOP:
+            for start in tl.range(lo, tile_end, BLOCK_N):
+                k = _dense_rows(k_seq, k_desc, start, q_len, key_stride_t, dims, dims_ok, True,
+                                MASK_D, USE_TMA, BLOCK_N)  # fmt: skip
+                v = _dense_rows(v_seq, v_desc, start, q_len, value_stride_t, vdims, vdims_ok,
+                                True, MASK_DV, USE_TMA, BLOCK_N)  # fmt: skip
+                m_i, l_i, acc = _fold(q, k, v, m_i, l_i, acc, start + tl.arange(0, BLOCK_N),
+                                      token, first, start >= full_end, scale, soft_cap,
+                                      USE_SOFT_CAP, USE_WINDOW, PRECISION)  # fmt: skip
+        else:
+            for start in tl.range(lo, full_end, BLOCK_N):
+                k = _dense_rows(k_seq, k_desc, start, q_len, key_stride_t, dims, dims_ok, False,
+                                MASK_D, USE_TMA, BLOCK_N)  # fmt: skip
+                v = _dense_rows(v_seq, v_desc, start, q_len, value_stride_t, vdims, vdims_ok,
+                                False, MASK_DV, USE_TMA, BLOCK_N)  # fmt: skip
+                m_i, l_i, acc = _fold(q, k, v, m_i, l_i, acc, start + tl.arange(0, BLOCK_N),
+                                      token, first, False, scale, soft_cap,
+                                      USE_SOFT_CAP, USE_WINDOW, PRECISION)  # fmt: skip
+            for start in range(full_end, tile_end, BLOCK_N):
+                k = _dense_rows(k_seq, k_desc, start, q_len, key_stride_t, dims, dims_ok, True,
+                                MASK_D, USE_TMA, BLOCK_N)  # fmt: skip
+                v = _dense_rows(v_seq, v_desc, start, q_len, value_stride_t, vdims, vdims_ok,
+                                True, MASK_DV, USE_TMA, BLOCK_N)  # fmt: skip
+                m_i, l_i, acc = _fold(q, k, v, m_i, l_i, acc, start + tl.arange(0, BLOCK_N),
+                                      token, first, True, scale, soft_cap,
+                                      USE_SOFT_CAP, USE_WINDOW, PRECISION)  # fmt: skip
 
     acc = acc / l_i[:, None]  # every valid row sees at least its own key
     o_ptrs = out_ptr + rows[:, None] * o_stride_t + head * o_stride_h + vdims[None, :]
@@ -327,7 +343,7 @@ def prefill_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         metadata.block_table.stride(0),
         scale, logits_soft_cap or 0.0, sliding_window or 0, query.shape[1] // key_cache.shape[2],
-        metadata.num_decodes, key.shape[0] if dense else 0,
+        metadata.num_decodes,
         HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
@@ -336,6 +352,7 @@ def prefill_attention(
         DENSE_KV=dense, HAS_PREFIX=not dense or metadata.prefills_have_context, USE_TMA=use_tma,
         USE_SOFT_CAP=bool(logits_soft_cap), USE_WINDOW=bool(sliding_window),
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        ONE_LOOP=config.get("one_loop", True),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return out
