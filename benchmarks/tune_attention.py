@@ -81,7 +81,7 @@ PREFILL_SHAPES = {
     "prefill 8x1024 +1024 ctx": (1024, 1024, 8),
 }
 PREFILL_SPACE = {"block_m": [64, 128], "block_n": [64, 128], "num_warps": [4, 8],
-                 "num_stages": [2, 3, 4], "tma": [True], "one_loop": [True, False]}  # fmt: skip
+                 "num_stages": [2, 3, 4], "tma": [True]}  # fmt: skip
 
 
 @functools.cache

@@ -222,6 +222,22 @@ def test_fused_moe_fp8_block(num_tokens, num_experts, top_k, config):
     assert far.float().mean() < 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_moe_picked_tiles_for_large_batches(fp8):
+    """The tiles pick_config gives experts with hundreds of rows each (bf16: a down N-tile
+    twice the gated one's; FP8 block: 64-row tiles, 64 wide)."""
+    num_tokens, num_experts, top_k, hidden, inter = 2048, 8, 2, 512, 384
+    x, weights, ids = routed(num_tokens, num_experts, top_k, hidden, torch.bfloat16)
+    if fp8:
+        q13, s13, q2, s2 = fp8_block_experts(num_experts, hidden, inter)
+        args = (x, q13, q2, weights, ids, "silu", s13, s2, (128, 128))
+    else:
+        w13, w2 = moe_weights(num_experts, hidden, inter, torch.bfloat16)
+        args = (x, w13, w2, weights, ids, "silu", None, None, None)
+    assert relative_error(fused_moe_triton(*args), fused_moe_torch(*args)) < (3e-2 if fp8 else 1e-2)
+
+
 @pytest.mark.parametrize("gemm", ["gate_up", "down"])
 def test_fp8_block_rejects_k_tiles_across_scale_blocks(gemm):
     """Each GEMM's K loop applies one weight scale per step: a K-tile must not straddle two."""

@@ -166,13 +166,22 @@ def pick_config(
         return MoEConfig.same(16, 64 if wide else 32, block_k if fp32 else 128, 1, 4, deep)
     if rows_per_expert <= 64:
         return MoEConfig.same(32, 64, block_k, 4, 4, stages)
+    if fp8_block:
+        # H200 sweep (benchmarks/moe.py --sweep), T=4096 / 16384: 64x64x128 tiles, four
+        # warps, 0.83 / 2.93 ms (vLLM 0.83 / 2.91, DeepGEMM at 16384) vs 0.86 / 5.86 with
+        # 64- and 128-row tiles, 128 wide, eight warps.
+        return MoEConfig.same(64, 64, 128, 1, 4, 3)
     block_n = 64 if fp32 else 128
+    if rows_per_expert <= 256 and fp32:
+        return MoEConfig.same(64, block_n, block_k, 8, 4, stages)
     # H200 sweep, T=4096 (256 rows per expert): bf16 0.86 ms with 128x128x64 and eight
-    # warps vs 1.01 ms with 64x128x64 and four; FP8 0.88 ms with 64x128x128 and eight
-    # warps vs 2.15 ms with four.
-    if rows_per_expert <= 256 and (fp32 or fp8_block):
-        return MoEConfig.same(64, block_n, block_k, 8, 4 if fp32 else 8, stages)
-    return MoEConfig.same(128, block_n, block_k, 8, 8, stages)
+    # warps vs 1.01 ms with 64x128x64 and four.
+    gate_up = GemmTiles(block_n, block_k, 8, 8, stages)
+    if rows_per_expert <= 256 or fp32:
+        return MoEConfig(128, gate_up, gate_up)
+    # The ungated down GEMM fills 256-wide tiles once experts have many rows (T=16384:
+    # 2.77 vs 2.87 ms; at T=4096 no gain).
+    return MoEConfig(128, gate_up, GemmTiles(256, block_k, 8, 8, stages))
 
 
 def _row_scale(scale: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, int, int]:
