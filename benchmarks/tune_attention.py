@@ -1,10 +1,10 @@
 """Sweeps the paged-attention launch parameters on a GPU and prints the best per shape.
 
 Decode: DECODE_CONFIG of atom.kernels.triton.paged_attention. Prefill: the configs of
-atom.kernels.triton.prefill_attention (SHORT / MEDIUM / LONG by query length), timed
-with the new tokens' K/V dense, as every host runs it; the prefixed shape times the
-cached-prefix path. The prefill configs compile in parallel first
-(benchmarks/precompile.py), and each is checked against the default config's output. Usage (repo root):
+atom.kernels.triton.prefill_attention (SHORT / LONG by query length), timed with the new
+tokens' K/V dense, as every host runs it; the prefixed shape times the cached-prefix path.
+The prefill configs compile in parallel first (benchmarks/precompile.py), and each is
+checked against the default config's output. Usage (repo root):
     PYTHONPATH=packages/atom-core/src:. python benchmarks/tune_attention.py \
         [--only decode|prefill] [--shapes LABEL ...] [--json out.json]
 """
@@ -76,7 +76,7 @@ def tune_decode() -> None:
 # label: (new tokens per sequence, cached context, sequences)
 PREFILL_SHAPES = {
     "prefill 64x512 (SHORT)": (512, 0, 64),
-    "prefill 16x2048 (MEDIUM)": (2048, 0, 16),
+    "prefill 16x2048 (LONG)": (2048, 0, 16),
     "prefill 4x8192 (LONG)": (8192, 0, 4),
     "prefill 8x1024 +1024 ctx": (1024, 1024, 8),
 }

@@ -25,14 +25,13 @@ import triton.language as tl
 
 from atom.kernels.triton.tma import tma_ready, tma_supported, use_scratch_allocator
 
-# Launch parameters from the H200 probe (bf16, head dim 128, 32 q / 8 kv heads, 16-token
-# pages, dense fresh K/V through TMA): TFLOP/s and the fraction of FA3 on the same paged
-# inputs. 4x8192: BM128 BN128 w8 s3 560 (0.92x); 16x2048: BM64 BN64 w4 s3 412 (0.80x);
-# 64x512: BM128 BN64 w4 s2 227 (0.88x). benchmarks/tune_attention.py sweeps them.
+# Launch parameters from H200 sweeps (benchmarks/tune_attention.py; bf16, head dim 128,
+# 32 q / 8 kv heads, 16-token pages, new K/V dense through TMA). Side by side with FA3 on
+# the same paged inputs, median of 5 interleaved rounds (2026-11-22): 16x2048 389 TFLOP/s
+# (0.82x FA3; 64x64 tiles 0.77x), 4x8192 486 (0.86x), 64x512 230 (0.81x).
 LONG_CONFIG = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "tma": True}
-MEDIUM_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "tma": True}
 SHORT_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2, "tma": True}
-LONG_TOKENS, MEDIUM_TOKENS = 4096, 1024
+LONG_TOKENS = 1024
 # fp32 and heads wider than 128 need smaller tiles to fit shared memory; MLA's latent
 # heads (576 channels, padded to 1024) the smallest that tl.dot takes.
 WIDE_CONFIG = {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "tma": True}
@@ -237,9 +236,7 @@ def pick_config(query: torch.Tensor, head_dim: int, max_query_len: int) -> dict:
         return HUGE_CONFIG
     if query.element_size() != 2 or block_d > 128:
         return WIDE_CONFIG
-    if max_query_len >= LONG_TOKENS:
-        return LONG_CONFIG
-    return MEDIUM_CONFIG if max_query_len >= MEDIUM_TOKENS else SHORT_CONFIG
+    return LONG_CONFIG if max_query_len >= LONG_TOKENS else SHORT_CONFIG
 
 
 def _page_rows_per_entry(page_size: int, block_n: int) -> int:
