@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Iterable
 from functools import partial
 
@@ -53,7 +54,7 @@ def paged_batch(q_lens, ctx_lens, heads=32, kv_heads=8, head_dim=128, block_size
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100)
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def fa3_paged_attention():
@@ -72,11 +73,18 @@ def fa3_paged_attention():
     return run
 
 
-def with_fa3(row: dict, fa3, q, k, v, md) -> dict:
-    """Adds FA3's time on the same inputs and vs_fa3 = FA3 time / ATOM time (1.0: parity)."""
-    if fa3 is not None:
-        row["fa3_ms"] = bench(partial(fa3, q, k, v, md, 128**-0.5, torch.empty_like(q)))
-        row["vs_fa3"] = row["fa3_ms"] / row["ms"]
+def side_by_side(row: dict, atom_fn, fa3, q, k, v, md, rounds: int = 5) -> dict:
+    """Times ATOM (row["ms"]) and, where vLLM is importable, FA3 on the same inputs
+    (fa3_ms, vs_fa3 = FA3 time / ATOM time; 1.0: parity). The two alternate over `rounds`
+    and each gets its median: an H200's clock drifts by ~10% between back-to-back runs."""
+    if fa3 is None:
+        row["ms"] = bench(atom_fn)
+        return row
+    fa3_fn = partial(fa3, q, k, v, md, 128**-0.5, torch.empty_like(q))
+    times = [(bench(atom_fn), bench(fa3_fn)) for _ in range(rounds)]
+    row["ms"] = statistics.median(t[0] for t in times)
+    row["fa3_ms"] = statistics.median(t[1] for t in times)
+    row["vs_fa3"] = statistics.median(f / a for a, f in times)
     return row
 
 
@@ -85,12 +93,11 @@ def decode_rows():
     for batch, ctx in [(64, 8192), (16, 8192), (256, 1024), (128, 2048)]:
         q, k, v, md, _, _ = paged_batch([1] * batch, [ctx - 1] * batch)
         out = torch.empty_like(q)
-        ms = bench(partial(paged_attention_triton, q, k, v, md, 128**-0.5, None, None, out))
-        kv_bytes = 2 * batch * ctx * 8 * 128 * 2
-        gbps = kv_bytes / ms / 1e6
-        row = {"kernel": "decode attention", "shape": f"{batch} seqs x {ctx} ctx", "ms": ms,
-               "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
-        yield with_fa3(row, fa3, q, k, v, md)
+        fn = partial(paged_attention_triton, q, k, v, md, 128**-0.5, None, None, out)
+        row = side_by_side({"kernel": "decode attention", "shape": f"{batch} seqs x {ctx} ctx"},
+                           fn, fa3, q, k, v, md)  # fmt: skip
+        gbps = 2 * batch * ctx * 8 * 128 * 2 / row["ms"] / 1e6  # K and V bytes read
+        yield row | {"GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}
 
 
 def prefill_rows():
@@ -100,14 +107,12 @@ def prefill_rows():
         out = torch.empty_like(q)
         # Every host has the new tokens' K/V at hand (it has just written them): ATOM reads
         # them dense; FA3 reads everything from the pages, as in the anchors.
-        ms = bench(
-            partial(paged_attention_triton, q, k, v, md, 128**-0.5, None, None, out, key, value)
-        )
+        fn = partial(paged_attention_triton, q, k, v, md, 128**-0.5, None, None, out, key, value)
+        row = side_by_side({"kernel": "causal prefill", "shape": f"{batch} x {length} tokens"},
+                           fn, fa3, q, k, v, md)  # fmt: skip
         flops = 4 * batch * length * length * 32 * 128 / 2  # causal: half the square
-        tflops = flops / ms / 1e9
-        row = {"kernel": "causal prefill", "shape": f"{batch} x {length} tokens", "ms": ms,
-               "TFLOP/s": tflops, "peak_fraction": tflops / PEAK_TFLOPS}  # fmt: skip
-        yield with_fa3(row, fa3, q, k, v, md)
+        tflops = flops / row["ms"] / 1e9
+        yield row | {"TFLOP/s": tflops, "peak_fraction": tflops / PEAK_TFLOPS}
 
 
 def elementwise_rows():
