@@ -69,27 +69,27 @@ def layer_args(fmt: str, num_tokens: int) -> tuple:
             w["w13_scale"], w["w2_scale"], w["block_size"])  # fmt: skip
 
 
-def vllm_runner(weights: dict):
-    """vLLM's Triton fused_experts on the same weights, or None without vllm."""
+def vllm_runner(args: tuple):
+    """vLLM's Triton fused_experts on the experts of `args` (layer_args), or None without
+    vllm."""
     try:
         from vllm.config import VllmConfig, set_current_vllm_config
         from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
     except ImportError:
         return None
+    _, w13, w2, _, _, _, w13_scale, w2_scale, block_size = args
     kwargs = {}
-    if weights["block_size"] is not None:
+    if block_size is not None:
         from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
 
         kwargs["quant_config"] = fp8_w8a8_moe_quant_config(
-            w1_scale=weights["w13_scale"],
-            w2_scale=weights["w2_scale"],
-            block_shape=list(weights["block_size"]),
+            w1_scale=w13_scale, w2_scale=w2_scale, block_shape=list(block_size)
         )
     config = VllmConfig()
 
     def run(x, topk_weights, topk_ids):
         with set_current_vllm_config(config):
-            return fused_experts(x, weights["w13"], weights["w2"], topk_weights, topk_ids, **kwargs)
+            return fused_experts(x, w13, w2, topk_weights, topk_ids, **kwargs)
 
     return run
 
@@ -154,8 +154,9 @@ def sweep(fmt: str, args: tuple, pool) -> dict:
             "best_ms": best_ms, "best_config": describe(best)}  # fmt: skip
 
 
-def measure(fmt: str, vllm, num_tokens: int, pool) -> dict:
+def measure(fmt: str, num_tokens: int, pool) -> dict:
     args = layer_args(fmt, num_tokens)
+    vllm = vllm_runner(args)
     x, w13, _, topk_weights, topk_ids, *_ = args
     ms = bench(partial(fused_moe_triton, *args))
     touched = int(torch.unique(topk_ids).numel())
@@ -177,9 +178,8 @@ def measure(fmt: str, vllm, num_tokens: int, pool) -> dict:
 
 def rows(tokens: list[int], formats: list[str], pool):
     for fmt in formats:
-        vllm = vllm_runner(expert_weights(fmt))
         for num_tokens in tokens:
-            yield measure(fmt, vllm, num_tokens, pool)
+            yield measure(fmt, num_tokens, pool)
 
 
 def print_row(row: dict) -> None:
