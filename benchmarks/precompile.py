@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -31,20 +32,26 @@ def progress(label: str, done: int, total: int, every: int = 16) -> None:
         print(f"  {label} {done}/{total}", flush=True)
 
 
-def _runs(fn: Callable, item) -> bool:
+def _runs(fn: Callable, item) -> str | None:
+    """None when fn(item) ran, else why not: the error's type and first line."""
     try:
         fn(item)
-    except Exception:  # does not compile, or does not fit this GPU: the tuner skips it
-        return False
-    return True
+    except Exception as exc:  # does not compile, or does not fit this GPU: the tuner skips it
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"
+    return None
 
 
 def precompile(
     fn: Callable, items: Sequence, pool: ProcessPoolExecutor, label: str = "compiled"
 ) -> list[bool]:
-    """Runs fn(item) for every item in the pool's workers; returns, per item, whether it ran.
-    fn must be a module-level function and the items picklable."""
+    """Runs fn(item) for every item in the pool's workers; returns, per item, whether it ran,
+    and prints how many failed with each error. fn must be a module-level function and the
+    items picklable."""
     futures = [pool.submit(_runs, fn, item) for item in items]
     for done, _ in enumerate(as_completed(futures), 1):
         progress(label, done, len(futures))
-    return [future.result() for future in futures]
+    errors = [future.result() for future in futures]
+    for error, count in Counter(e for e in errors if e is not None).most_common():
+        print(f"  {label}: {count} failed with {error}", flush=True)
+    return [error is None for error in errors]
