@@ -112,14 +112,15 @@ def _fused_qkv_kernel(
         # Tokens past the slot mapping are a host's padding, like slot -1.
         slot = tl.load(slot_ptr + token, mask=token < num_slots, other=-1)
         k_heads = k_ptr + token * k_stride_t + heads * k_stride_h
+        kv_heads_ok = heads < num_kv_heads
         x1, x2, xr = _norm_rope_heads(
-            k_heads, heads < num_kv_heads, first, second, pair_ok, rest, rest_ok, cos, sin,
+            k_heads, kv_heads_ok, first, second, pair_ok, rest, rest_ok, cos, sin,
             k_norm_ptr, head_dim, eps, NORM=NORM, HAS_REST=HAS_REST,
         )  # fmt: skip
         # Every row back into k (the step's new keys for attention), slots only into the cache.
-        _store_heads(k_heads, heads < num_kv_heads, first, second, pair_ok, rest, rest_ok,
+        _store_heads(k_heads, kv_heads_ok, first, second, pair_ok, rest, rest_ok,
                      x1, x2, xr, HAS_REST)  # fmt: skip
-        heads_ok = (heads < num_kv_heads) & (slot >= 0)
+        heads_ok = kv_heads_ok & (slot >= 0)
         block, offset = slot // block_size, slot % block_size
         _store_heads(
             key_cache_ptr + block * kc_stride_b + offset * kc_stride_s + heads * kc_stride_h,
