@@ -199,6 +199,15 @@ def fp8_block_experts(num_experts, hidden, inter):
     return (torch.stack(t) for t in (q13, s13, q2, s2))
 
 
+def assert_close_fp8_block(got, want):
+    # Both quantize the intermediate activations: a bf16 rounding apart can move one
+    # activation by an fp8 step (1/8 relative), so a rare output element strays further
+    # than the rest (seen on H200: 1 in 153,600).
+    assert relative_error(got, want) < 3e-2
+    far = ~torch.isclose(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+    assert far.float().mean() < 1e-3
+
+
 # The sweep's wide down tile: N-tiles spanning two scale blocks, K-tiles half of one.
 SPLIT_TILES = MoEConfig(64, GemmTiles(64, 128, group_m=8), GemmTiles(256, 64, 16, num_warps=8))
 
@@ -214,12 +223,50 @@ def test_fused_moe_fp8_block(num_tokens, num_experts, top_k, config):
     x, weights, ids = routed(num_tokens, num_experts, top_k, hidden, torch.bfloat16)
     args = (x, q13, q2, weights, ids, "silu", s13, s2, (128, 128))
     got, want = fused_moe_triton(*args, config=config), fused_moe_torch(*args)
-    # Both quantize the intermediate activations: a bf16 rounding apart can move one
-    # activation by an fp8 step (1/8 relative), so a rare output element strays further
-    # than the rest (seen on H200: 1 in 153,600).
-    assert relative_error(got, want) < 3e-2
-    far = ~torch.isclose(got.float(), want.float(), atol=5e-2, rtol=5e-2)
-    assert far.float().mean() < 1e-3
+    assert_close_fp8_block(got, want)
+
+
+# Gate and up rows interleaved in one tile, the last N-tile masked (inter 160 is no
+# multiple of the tiles), and on the GPU the sweep's large-batch shapes (one 256-wide dot).
+STACKED = [
+    MoEConfig(16, GemmTiles(64, 64, stacked=True), GemmTiles(128, 128)),
+    MoEConfig(32, GemmTiles(128, 32, group_m=2, stacked=True), GemmTiles(64, 64)),
+] + (
+    [
+        MoEConfig(64, GemmTiles(64, 128, stacked=True), GemmTiles(64, 128)),
+        MoEConfig(128, GemmTiles(128, 64, 8, 8, stacked=True), GemmTiles(128, 64, 8, 8)),
+    ]
+    if ON_GPU
+    else []
+)
+
+
+@pytest.mark.parametrize("weights", ["float", "fp8-row", "fp8-block"])
+@pytest.mark.parametrize("config", STACKED)
+def test_fused_moe_stacked_gate_up(config, weights):
+    """One interleaved gate/up tile and one dot per K step, split after the loop: each FP8
+    scale applies to its own column (gate and up rows 160 apart fall in different 128-row
+    scale blocks)."""
+    num_tokens, num_experts, top_k, hidden, inter = (300 if ON_GPU else 16), 8, 2, 256, 160
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    x, routing, ids = routed(num_tokens, num_experts, top_k, hidden, dtype)
+    if weights == "fp8-block":
+        q13, s13, q2, s2 = fp8_block_experts(num_experts, hidden, inter)
+        args = (x, q13, q2, routing, ids, "silu", s13, s2, (128, 128))
+    elif weights == "fp8-row":
+        w13, w2 = moe_weights(num_experts, hidden, inter, torch.float32)
+        (q13, s13), (q2, s2) = quantize_rows(w13, True), quantize_rows(w2, True)
+        args = (x, q13, q2, routing, ids, "silu", s13, s2, None)
+    else:
+        args = (x, *moe_weights(num_experts, hidden, inter, dtype), routing, ids, "silu")
+        args += (None, None, None)
+    got, want = fused_moe_triton(*args, config=config), fused_moe_torch(*args)
+    if weights == "fp8-block":
+        assert_close_fp8_block(got, want)
+    elif weights == "fp8-row":
+        assert relative_error(got, want) < (1e-2 if ON_GPU else 1e-5)
+    else:
+        torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 @pytest.mark.gpu

@@ -2,10 +2,11 @@
 with the routing weights, per-token sum. No host synchronisation (CUDA-graph safe).
 
 Both GEMMs run one program per (M-block of one expert, N-tile). The w13 GEMM computes the
-gate and up tiles of the same columns side by side and stores silu(gate) * up, so the
-2I-wide intermediate never reaches memory. Weights may be bf16/fp16/fp32, FP8 with a
-per-expert or per-row scale (upcast in registers, W8A16), or FP8 with 128x128 block scales,
-in which case activations are quantized per token group and the GEMMs run in FP8.
+gate and up tiles of the same columns side by side (two tiles and dots, or one interleaved
+tile and dot: GemmTiles.stacked) and stores silu(gate) * up, so the 2I-wide intermediate
+never reaches memory. Weights may be bf16/fp16/fp32, FP8 with a per-expert or per-row
+scale (upcast in registers, W8A16), or FP8 with 128x128 block scales, in which case
+activations are quantized per token group and the GEMMs run in FP8.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from atom.kernels.triton.moe_align import align_to_experts
 
 # Weight scale kinds (constexpr SCALES).
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
+# How a GEMM reads gate and up weights (constexpr GATING; see _moe_gemm_kernel).
+UNGATED, GATED_PAIR, GATED_STACKED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -34,13 +37,16 @@ class GemmTiles:
     group_m: int = 1  # M-blocks swept per N-tile before moving on (L2 reuse of weights)
     num_warps: int = 4
     num_stages: int = 3
+    # Gated GEMM only (the down GEMM ignores it): gate and up columns in one 2 * block_n
+    # wide tile and one dot (GATED_STACKED) rather than two tiles and two dots.
+    stacked: bool = False
 
 
 @dataclass(frozen=True)
 class MoEConfig:
     """Tiles of the two GEMMs. They share block_m because both walk the row blocks that
-    align_to_experts lays out; the rest differs because the gated w13 GEMM holds two
-    accumulators (gate and up), so an N-tile the w2 GEMM fills well can spill there."""
+    align_to_experts lays out; the rest differs because the gated w13 GEMM accumulates gate
+    and up (twice the registers), so an N-tile the w2 GEMM fills well can spill there."""
 
     block_m: int
     gate_up: GemmTiles
@@ -64,21 +70,32 @@ def _dot_step(acc, a, b_ptrs, b_mask, scale, SCALES: tl.constexpr, PRECISION: tl
 
 
 @triton.jit
+def _scale_ptrs(scale_base, b_rows, stride_bsn, SCALES: tl.constexpr, GROUP_N: tl.constexpr):
+    """Per B row (output column): its block scale row (SCALES == 2) or its row scale."""
+    if SCALES == 2:
+        return scale_base + (b_rows // GROUP_N) * stride_bsn
+    return scale_base + b_rows * stride_bsn
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, routing_weights_ptr,
     sorted_rows_ptr, block_expert_ptr,
     num_rows, num_experts, N, K, max_blocks, up_offset,
     stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm,
-    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
+    A_ROW_DIV: tl.constexpr, GATING: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """C[row, :N] = A[row // A_ROW_DIV] @ B[expert]^T for the rows of one M-block.
 
-    B rows are output columns (K contiguous). GATED: columns n and n + up_offset of B are the
-    gate and up halves and C gets silu(gate) * up. APPLY_WEIGHT scales row r by
-    routing_weights[r]."""
+    B rows are output columns (K contiguous). GATING (UNGATED, GATED_PAIR, GATED_STACKED):
+    rows n and n + up_offset of B are the gate and up halves of column n, and C gets
+    silu(gate) * up. GATED_PAIR loads the gate and up tiles apart, one dot each;
+    GATED_STACKED interleaves them (tile column 2j: column j's gate row, 2j + 1: its up row)
+    into one 2 * BLOCK_N wide tile and one dot, split apart after the K loop.
+    APPLY_WEIGHT scales row r by routing_weights[r]."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     blocks_per_group = GROUP_M * num_pid_n
@@ -94,51 +111,56 @@ def _moe_gemm_kernel(
     row_ok = rows < num_rows
     a_rows = (rows // A_ROW_DIV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    if GATING == 2:
+        pair = tl.arange(0, 2 * BLOCK_N)
+        b_cols = pid_n * BLOCK_N + pair // 2  # the output column of each tile column
+        b_rows = b_cols + (pair % 2) * up_offset
+    else:
+        b_cols = cols
+        b_rows = cols
+    b_ok = b_cols < N
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
-    b_ptrs = b_ptr + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bn + ks[:, None]
+    b_ptrs = b_ptr + expert * stride_be + b_rows.to(tl.int64)[None, :] * stride_bn + ks[:, None]
     up_ptrs = b_ptrs + up_offset * stride_bn
     scale_base = b_scale_ptr + expert * stride_bse
-    if SCALES == 2:
-        b_scale_ptrs = scale_base + (cols // GROUP_N) * stride_bsn
-        up_scale_ptrs = scale_base + ((cols + up_offset) // GROUP_N) * stride_bsn
-    else:
-        b_scale_ptrs = scale_base + cols * stride_bsn
-        up_scale_ptrs = b_scale_ptrs + up_offset * stride_bsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    b_scale_ptrs = _scale_ptrs(scale_base, b_rows, stride_bsn, SCALES, GROUP_N)
+    up_scale_ptrs = _scale_ptrs(scale_base, b_rows + up_offset, stride_bsn, SCALES, GROUP_N)
+    acc = tl.zeros((BLOCK_M, b_rows.shape[0]), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b_mask = k_ok[:, None] & col_ok[None, :]
+        b_mask = k_ok[:, None] & b_ok[None, :]
         if SCALES == 2:  # BLOCK_K divides GROUP_K: one activation and weight scale per step
             group = k0 // GROUP_K
             a_scale = tl.load(a_scale_ptr + a_rows * stride_asm + group, mask=row_ok, other=0.0)
-            b_scale = tl.load(b_scale_ptrs + group * stride_bsk, mask=col_ok, other=0.0)
+            b_scale = tl.load(b_scale_ptrs + group * stride_bsk, mask=b_ok, other=0.0)
             scale = a_scale[:, None] * b_scale[None, :]
-            if GATED:
-                up_scale = tl.load(up_scale_ptrs + group * stride_bsk, mask=col_ok, other=0.0)
+            if GATING == 1:
+                up_scale = tl.load(up_scale_ptrs + group * stride_bsk, mask=b_ok, other=0.0)
                 up_scale = a_scale[:, None] * up_scale[None, :]
         else:
             scale = 1.0
             up_scale = 1.0
         acc = _dot_step(acc, a, b_ptrs, b_mask, scale, SCALES, PRECISION)
-        if GATED:
+        if GATING == 1:
             acc_up = _dot_step(acc_up, a, up_ptrs, b_mask, up_scale, SCALES, PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     if SCALES == 1:
-        acc *= tl.load(b_scale_ptrs, mask=col_ok, other=0.0)[None, :]
-        if GATED:
-            acc_up *= tl.load(up_scale_ptrs, mask=col_ok, other=0.0)[None, :]
-    if GATED:
+        acc *= tl.load(b_scale_ptrs, mask=b_ok, other=0.0)[None, :]
+        if GATING == 1:
+            acc_up *= tl.load(up_scale_ptrs, mask=b_ok, other=0.0)[None, :]
+    if GATING == 2:  # a column pair sits in one thread's registers: the split moves nothing
+        acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    if GATING != 0:
         acc = acc * tl.sigmoid(acc) * acc_up
     if APPLY_WEIGHT:
         acc *= tl.load(routing_weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
 
 
 @functools.cache
@@ -221,6 +243,7 @@ def _launch_gemm(
     w = w if w.stride(-1) == 1 else w.contiguous()
     num_experts, n_total, k = w.shape
     n = n_total // 2 if gated else n_total
+    gating = (GATED_STACKED if tiles.stacked else GATED_PAIR) if gated else UNGATED
     if w_scale is None:
         scales, w_scale, s_strides = NO_SCALE, w, (0, 0, 0)
     elif block_size is None:
@@ -237,7 +260,7 @@ def _launch_gemm(
         out.shape[0], num_experts, n, k, max_blocks, n if gated else 0,
         a.stride(0), 0 if a_scale is None else a_scale.stride(0), w.stride(0), w.stride(1),
         *s_strides, out.stride(0),
-        A_ROW_DIV=a_row_div, GATED=gated, APPLY_WEIGHT=routing_weights is not None,
+        A_ROW_DIV=a_row_div, GATING=gating, APPLY_WEIGHT=routing_weights is not None,
         SCALES=scales, GROUP_N=group_n, GROUP_K=group_k,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
