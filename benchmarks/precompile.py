@@ -7,24 +7,22 @@ them with every kernel a cache hit. The workers build their own inputs: give the
 shapes as the timed run, or the cache keys (which see the arguments' shapes and alignment)
 differ and the tuner compiles again.
 
+A worker whose config fails, or dies, is replaced by a fresh process before it takes another:
+a kernel that faults leaves its process's CUDA context unusable, and a worker that fails
+fast drains the queue, so one bad config used to fail most of the configs after it.
+
     with worker_pool() as pool:
         ok = precompile(run_one_config, configs, pool)
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
-
-
-def worker_pool(workers: int | None = None) -> ProcessPoolExecutor:
-    """Spawned workers, kept for several precompile calls (each one starts in seconds: it
-    imports torch and opens a CUDA context)."""
-    workers = workers or min(16, os.cpu_count() or 1)
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection, wait
 
 
 def progress(label: str, done: int, total: int, every: int = 16) -> None:
@@ -42,16 +40,90 @@ def _runs(fn: Callable, item) -> str | None:
     return None
 
 
+def _serve(conn: Connection) -> None:
+    """A worker: runs (fn, item) jobs and sends back _runs' answer until the pool closes the
+    pipe, or a job fails (its CUDA context may be broken: the pool starts a fresh process)."""
+    with contextlib.suppress(EOFError):
+        while True:
+            error = _runs(*conn.recv())
+            conn.send(error)
+            if error is not None:
+                return
+
+
+class WorkerPool:
+    """Spawned workers, kept for several precompile calls (each one starts in seconds: it
+    imports torch and opens a CUDA context)."""
+
+    def __init__(self, size: int):
+        self._context = multiprocessing.get_context("spawn")
+        self._idle = [self._start() for _ in range(size)]
+        self._busy: dict[Connection, tuple[multiprocessing.Process, int]] = {}
+
+    def _start(self) -> tuple[multiprocessing.Process, Connection]:
+        conn, child_conn = self._context.Pipe()
+        process = self._context.Process(target=_serve, args=(child_conn,), daemon=True)
+        process.start()
+        child_conn.close()
+        return process, conn
+
+    def run(self, fn: Callable, items: Sequence) -> Iterator[tuple[int, str | None]]:
+        """(index, _runs' answer) for every item, in the order they finish."""
+        todo = list(enumerate(items))[::-1]
+        while todo or self._busy:
+            while todo and self._idle:
+                process, conn = self._idle.pop()
+                index, item = todo.pop()
+                conn.send((fn, item))
+                self._busy[conn] = process, index
+            for conn in wait(list(self._busy)):
+                process, index = self._busy.pop(conn)
+                try:
+                    error = conn.recv()
+                except EOFError:  # it crashed (a segfault in a compiler, say)
+                    process.join()
+                    error = f"worker died (exit code {process.exitcode})"
+                if error is None:
+                    self._idle.append((process, conn))
+                else:
+                    self._stop(process, conn)
+                    self._idle.append(self._start())
+                yield index, error
+
+    @staticmethod
+    def _stop(process: multiprocessing.Process, conn: Connection) -> None:
+        conn.close()  # an idle worker's recv ends: it exits
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+    def close(self) -> None:
+        for process, conn in [*self._idle, *((p, c) for c, (p, _) in self._busy.items())]:
+            self._stop(process, conn)
+        self._idle, self._busy = [], {}
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def worker_pool(workers: int | None = None) -> WorkerPool:
+    return WorkerPool(workers or min(16, os.cpu_count() or 1))
+
+
 def precompile(
-    fn: Callable, items: Sequence, pool: ProcessPoolExecutor, label: str = "compiled"
+    fn: Callable, items: Sequence, pool: WorkerPool, label: str = "compiled"
 ) -> list[bool]:
     """Runs fn(item) for every item in the pool's workers; returns, per item, whether it ran,
     and prints how many failed with each error. fn must be a module-level function and the
     items picklable."""
-    futures = [pool.submit(_runs, fn, item) for item in items]
-    for done, _ in enumerate(as_completed(futures), 1):
-        progress(label, done, len(futures))
-    errors = [future.result() for future in futures]
+    errors: list[str | None] = [None] * len(items)
+    for done, (index, error) in enumerate(pool.run(fn, items), 1):
+        errors[index] = error
+        progress(label, done, len(items))
     for error, count in Counter(e for e in errors if e is not None).most_common():
         print(f"  {label}: {count} failed with {error}", flush=True)
     return [error is None for error in errors]
