@@ -14,7 +14,6 @@ from collections.abc import Iterable
 from functools import partial
 
 import torch
-import triton
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels.paged_attention import gather_pages
@@ -25,6 +24,7 @@ from atom.kernels.triton.kv_cache import write_kv_cache_triton
 from atom.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
 from atom.kernels.triton.paged_attention import paged_attention_triton
 from atom.kernels.triton.rotary import apply_rotary_emb_triton
+from benchmarks.timing import bench, interleaved, median_ratio
 
 PEAK_GBPS = 3350.0  # H100 SXM HBM3
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
@@ -53,10 +53,6 @@ def paged_batch(q_lens, ctx_lens, heads=32, kv_heads=8, head_dim=128, block_size
     return q, k, v, md, key, value
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def fa3_paged_attention():
     """vLLM's FA3 over the same paged cache (the call in shared/anchors), or None without vLLM."""
     try:
@@ -81,10 +77,9 @@ def side_by_side(row: dict, atom_fn, fa3, q, k, v, md, rounds: int = 5) -> dict:
         row["ms"] = bench(atom_fn)
         return row
     fa3_fn = partial(fa3, q, k, v, md, 128**-0.5, torch.empty_like(q))
-    times = [(bench(atom_fn), bench(fa3_fn)) for _ in range(rounds)]
-    row["ms"] = statistics.median(t[0] for t in times)
-    row["fa3_ms"] = statistics.median(t[1] for t in times)
-    row["vs_fa3"] = statistics.median(f / a for a, f in times)
+    atom, fa3_times = interleaved([atom_fn, fa3_fn], rounds)
+    row["ms"], row["fa3_ms"] = statistics.median(atom), statistics.median(fa3_times)
+    row["vs_fa3"] = median_ratio(fa3_times, atom)
     return row
 
 

@@ -1,14 +1,18 @@
 """Fused-MoE benchmark on a CUDA GPU: one Qwen3-30B-A3B expert layer (128 experts, top-8,
 hidden 2048, intermediate 768), bf16 and FP8 with 128x128 block scales.
 
-Per row: median time (triton.testing.do_bench), TFLOP/s, GB/s of the expert weights the
-routing touches, and their fractions of the H100 peak; vLLM's Triton fused_experts on the
-same inputs when vllm is importable (as in shared/anchors/moe_anchor.py). Usage:
+Per row: time, TFLOP/s, GB/s of the expert weights the routing touches, and their fractions
+of the H100 peak; vLLM's Triton fused_experts on the same inputs when vllm is importable (as
+in shared/anchors/moe_anchor.py). ATOM and vLLM take turns over five rounds (medians, and
+the median of the rounds' ratios): back-to-back runs drifted by up to 15%. Usage:
     PYTHONPATH=packages/atom-core/src:. python benchmarks/moe.py [--tokens 1 64]
         [--formats bf16] [--sweep [--workers 16]] [--json out.json]
 --sweep also searches the tiles per row, in two phases: the gate_up GEMM's tiles (the down
-GEMM tiled the same), then the down GEMM's with gate_up at its best. Each phase compiles
-its configs in a pool of worker processes first (benchmarks/precompile.py), then times them.
+GEMM tiled the same; at large T both the two-dot and the stacked gate/up form), then the
+down GEMM's with gate_up at its best. Each phase compiles its configs in a pool of worker
+processes first (benchmarks/precompile.py), checks each one's output against the torch
+reference, then times the ones that match. The best config, and at large T the best with
+its gate/up form flipped, then take turns with the default and vLLM.
 """
 
 from __future__ import annotations
@@ -18,16 +22,17 @@ import contextlib
 import functools
 import itertools
 import json
+import statistics
 from dataclasses import replace
 from functools import partial
 
 import torch
-import triton
 
 from atom.kernels.fp8 import quantize_fp8_per_block
-from atom.kernels.moe import topk_softmax_torch
+from atom.kernels.moe import fused_moe_torch, topk_softmax_torch
 from atom.kernels.triton.fused_moe import GemmTiles, MoEConfig, fused_moe_triton, pick_config
 from benchmarks.precompile import precompile, progress, worker_pool
+from benchmarks.timing import bench, interleaved, median_ratio
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 TOKENS = [1, 64, 4096, 16384]
@@ -37,14 +42,12 @@ PEAK_GBPS = 3350.0  # H100 SXM HBM3
 PEAK_TFLOPS = {"bf16": 989.0, "fp8-block": 1979.0}  # H100 SXM dense
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
 def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> fp8 [E, N, K] and scales [E, N/128, K/128] (blocks never straddle experts)."""
-    q, scale = quantize_fp8_per_block(w.reshape(-1, w.shape[-1]), BLOCK)
-    return q.view_as(w), scale.view(w.shape[0], -1, scale.shape[-1])
+    """[E, N, K] -> fp8 [E, N, K] and scales [E, N/128, K/128]. One expert at a time: the
+    whole w13's fp32 temporaries peak near 8 GB, more than sixteen sweep workers at once
+    can have (the likely loss of most FP8 configs in an earlier sweep)."""
+    q, scales = zip(*(quantize_fp8_per_block(expert, BLOCK) for expert in w))
+    return torch.stack(q), torch.stack(scales)
 
 
 @functools.lru_cache(maxsize=1)  # one format at a time: a sweep worker sees both
@@ -55,6 +58,8 @@ def expert_weights(fmt: str) -> dict:
     if fmt == "bf16":
         return dict(w13=w13, w2=w2, w13_scale=None, w2_scale=None, block_size=None)
     (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
+    del w13, w2
+    torch.cuda.empty_cache()  # the bf16 originals: the other workers need the memory
     return dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2, block_size=BLOCK)
 
 
@@ -70,14 +75,14 @@ def layer_args(fmt: str, num_tokens: int) -> tuple:
 
 
 def vllm_runner(args: tuple):
-    """vLLM's Triton fused_experts on the experts of `args` (layer_args), or None without
-    vllm."""
+    """vLLM's Triton fused_experts on the inputs of `args` (layer_args) as a function of no
+    arguments, or None without vllm (or with a vllm whose API differs)."""
     try:
         from vllm.config import VllmConfig, set_current_vllm_config
         from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
     except ImportError:
         return None
-    _, w13, w2, _, _, _, w13_scale, w2_scale, block_size = args
+    x, w13, w2, topk_weights, topk_ids, _, w13_scale, w2_scale, block_size = args
     kwargs = {}
     if block_size is not None:
         from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
@@ -87,15 +92,53 @@ def vllm_runner(args: tuple):
         )
     config = VllmConfig()
 
-    def run(x, topk_weights, topk_ids):
+    def run():
         with set_current_vllm_config(config):
             return fused_experts(x, w13, w2, topk_weights, topk_ids, **kwargs)
 
+    try:
+        run()
+    except Exception as exc:  # an API this vLLM version lacks
+        print(f"  vLLM fused_experts failed: {type(exc).__name__}: {exc}", flush=True)
+        return None
     return run
+
+
+@contextlib.contextmanager
+def nan_filled_allocations():
+    """torch.empty fills with NaN (ints: their maximum): an output a kernel leaves unwritten
+    then fails the check, where it could pass on the memory of the config run before it."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor, fp8: bool) -> str | None:
+    """None when got matches the torch reference, else how it differs. FP8 tolerates a rare
+    far element (1 in 1,000): both quantize the intermediate activations, and a bf16
+    rounding apart moves one by an fp8 step (1/8)."""
+    got, want = got.float(), want.float()
+    error = ((got - want).norm() / want.norm()).item()
+    far = (~torch.isclose(got, want, atol=5e-2, rtol=5e-2)).float().mean().item()
+    if error < (3e-2 if fp8 else 1e-2) and far <= (1e-3 if fp8 else 0):  # False for NaN
+        return None
+    return f"relative error {error:.3g}, {far:.2%} of elements far off"
 
 
 def tile_grid(space: dict) -> list[GemmTiles]:
     return [GemmTiles(**dict(zip(space, v))) for v in itertools.product(*space.values())]
+
+
+def fits(block_m: int, tiles: GemmTiles, gated: bool, operand_bytes: int) -> bool:
+    """Whether a GEMM's tiles can run well here: every stage's A and B tiles in shared
+    memory (Triton refuses more), and at most 128 fp32 accumulators a thread (the gated
+    128x128 tile at eight warps holds 128 and already uses all 255 registers on sm_90)."""
+    width = tiles.block_n * (2 if gated else 1)  # gate and up columns
+    stage = (block_m + width) * tiles.block_k * operand_bytes
+    smem = torch.cuda.get_device_properties().shared_memory_per_block_optin
+    return tiles.num_stages * stage <= smem and block_m * width <= 128 * 32 * tiles.num_warps
 
 
 def sweep_spaces(num_tokens: int, fp8: bool) -> tuple[list[int], dict, dict]:
@@ -105,17 +148,20 @@ def sweep_spaces(num_tokens: int, fp8: bool) -> tuple[list[int], dict, dict]:
         tiles = dict(block_n=[32, 64, 128], block_k=[64, 128] + ([] if fp8 else [256]),
                      group_m=[1], num_warps=[4], num_stages=[3, 4, 5])  # fmt: skip
         return [16], tiles, tiles
-    gate_up = dict(block_n=[64, 128], block_k=[64, 128], group_m=[1, 8, 16],
+    gate_up = dict(block_n=[64, 128], block_k=[64, 128], group_m=[1, 8],
                    num_warps=[4, 8], num_stages=[3, 4])  # fmt: skip
     # Only the down GEMM has one accumulator: a 256-wide N-tile would spill in the gated one.
-    return [64, 128], gate_up, {**gate_up, "block_n": [64, 128, 256]}
+    down = {**gate_up, "block_n": [64, 128, 256]}
+    return [64, 128], {**gate_up, "stacked": [False, True]}, down
 
 
 def describe(config: MoEConfig) -> str:
-    def tiles(t: GemmTiles) -> str:
-        return f"n{t.block_n} k{t.block_k} group{t.group_m} w{t.num_warps} s{t.num_stages}"
+    def tiles(t: GemmTiles, gated: bool) -> str:
+        form = (" stacked" if t.stacked else " pair") if gated else ""
+        return f"n{t.block_n} k{t.block_k} group{t.group_m} w{t.num_warps} s{t.num_stages}{form}"
 
-    return f"block_m {config.block_m} | gate_up {tiles(config.gate_up)} | down {tiles(config.down)}"
+    return (f"block_m {config.block_m} | gate_up {tiles(config.gate_up, True)} | "
+            f"down {tiles(config.down, False)}")  # fmt: skip
 
 
 def compile_config(item) -> None:
@@ -125,54 +171,111 @@ def compile_config(item) -> None:
     torch.cuda.synchronize()
 
 
-def fastest(label: str, configs, fmt: str, args: tuple, pool) -> tuple[float, MoEConfig]:
+def checked(label: str, configs: list[MoEConfig], fmt: str, args: tuple, want) -> list:
+    """The configs whose output matches the reference (want), each with its run function."""
+    runs, rejected = [], 0
+    for config in configs:
+        run = partial(fused_moe_triton, *args, config=config)
+        with contextlib.suppress(Exception):  # a tile that exceeds this GPU's resources
+            with nan_filled_allocations():
+                error = mismatch(run(), want, fmt != "bf16")
+            if error is None:
+                runs.append((config, run))
+                continue
+            rejected += 1
+            print(f"  {label}: rejected {describe(config)}: {error}", flush=True)
+    if rejected:
+        print(f"  {label}: rejected {rejected} configs whose output differs", flush=True)
+    return runs
+
+
+def fastest(label: str, configs, fmt: str, args: tuple, want, pool) -> list[tuple]:
+    """(sweep ms, config) of the configs that compile and match, fastest first."""
     num_tokens = args[0].shape[0]
-    items = [(fmt, num_tokens, config) for config in configs]
-    ran = precompile(compile_config, items, pool, f"{label} compiled")
-    runnable = [config for config, ok in zip(configs, ran) if ok]
+    ran = precompile(compile_config, [(fmt, num_tokens, c) for c in configs], pool, label)
+    runs = checked(label, [c for c, ok in zip(configs, ran) if ok], fmt, args, want)
     timed = []
-    for done, config in enumerate(runnable, 1):
-        with contextlib.suppress(Exception):  # a tile that exceeds this GPU's shared memory
-            timed.append((bench(partial(fused_moe_triton, *args, config=config)), config))
-        progress(f"{label} timed", done, len(runnable))
-    if len(timed) < len(configs):
-        print(f"  {label}: skipped {len(configs) - len(timed)} configs that failed", flush=True)
-    return min(timed, key=lambda t: t[0])
+    for done, (config, run) in enumerate(runs, 1):
+        with contextlib.suppress(Exception):
+            timed.append((bench(run, warmup=10, rep=50), config))
+        progress(f"{label} timed", done, len(runs))
+    print(f"  {label}: {len(timed)} of {len(configs)} configs timed", flush=True)
+    return sorted(timed, key=lambda t: t[0])
 
 
-def sweep(fmt: str, args: tuple, pool) -> dict:
+def sweep(fmt: str, args: tuple, want, pool) -> tuple[dict, dict[str, MoEConfig]]:
     """The gate_up tiles first (down tiled the same), then the down tiles with gate_up and
-    block_m fixed at their best."""
+    block_m fixed at their best. Returns the row's sweep fields and the configs to time
+    against the default: the best, and the best with its gate/up form flipped."""
     num_tokens = args[0].shape[0]
+    operand_bytes = 2 if fmt == "bf16" else 1
     block_ms, gate_up_space, down_space = sweep_spaces(num_tokens, fmt != "bf16")
     label = f"{fmt} T={num_tokens}"
-    same = [MoEConfig(m, t, t) for m in block_ms for t in tile_grid(gate_up_space)]
-    gate_up_ms, gate_up_best = fastest(f"{label} gate_up", same, fmt, args, pool)
+    space = [MoEConfig(m, t, t) for m in block_ms for t in tile_grid(gate_up_space)]
+    same = [c for c in space if fits(c.block_m, c.gate_up, True, operand_bytes)]
+    print(f"  {label}: {len(same)} of {len(space)} gate_up configs fit", flush=True)
+    gate_up_timed = fastest(f"{label} gate_up", same, fmt, args, want, pool)
+    if not gate_up_timed:
+        return {"sweep_error": "no gate_up config ran and matched the reference"}, {}
+    fields = {}
+    for stacked in gate_up_space.get("stacked", [False]):
+        form = [t for t in gate_up_timed if t[1].gate_up.stacked == stacked]
+        if form:
+            key = "stacked" if stacked else "pair"
+            fields[f"gate_up_best_{key}"] = {"ms": form[0][0], "config": describe(form[0][1])}
+    gate_up_best = gate_up_timed[0][1]
     downs = [replace(gate_up_best, down=t) for t in tile_grid(down_space)]
-    best_ms, best = fastest(f"{label} down", downs, fmt, args, pool)
-    return {"gate_up_best_ms": gate_up_ms, "gate_up_best_config": describe(gate_up_best),
-            "best_ms": best_ms, "best_config": describe(best)}  # fmt: skip
+    downs = [c for c in downs if fits(c.block_m, c.down, False, operand_bytes)]
+    best_ms, best = fastest(f"{label} down", downs, fmt, args, want, pool)[0]
+    fields.update(best_sweep_ms=best_ms, best_config=describe(best))
+    contenders = {"best": best}
+    if "stacked" in gate_up_space:
+        flipped = replace(best, gate_up=replace(best.gate_up, stacked=not best.gate_up.stacked))
+        if checked(f"{label} flipped", [flipped], fmt, args, want):
+            contenders["flipped"] = flipped
+            fields["flipped_config"] = describe(flipped)
+    return fields, contenders
 
 
 def measure(fmt: str, num_tokens: int, pool) -> dict:
     args = layer_args(fmt, num_tokens)
+    x, w13, _, _, topk_ids, *_ = args
+    fp8 = fmt != "bf16"
+    want = fused_moe_torch(*args)
+    default = pick_config(num_tokens * TOP_K, EXPERTS, INTER, x.dtype, fp8, x.device)
+    row = {"format": fmt, "T": num_tokens, "default_config": describe(default)}
+    error = mismatch(fused_moe_triton(*args), want, fp8)
+    if error is not None:
+        print(f"  {fmt} T={num_tokens}: the default config's output differs: {error}", flush=True)
+        row["default_mismatch"] = error
+    runs = {"ms": partial(fused_moe_triton, *args)}
     vllm = vllm_runner(args)
-    x, w13, _, topk_weights, topk_ids, *_ = args
-    ms = bench(partial(fused_moe_triton, *args))
-    touched = int(torch.unique(topk_ids).numel())
-    flops = 2 * num_tokens * TOP_K * 3 * HIDDEN * INTER
-    tflops = flops / ms / 1e9
-    gbps = touched * w13.element_size() * 3 * HIDDEN * INTER / ms / 1e6
-    default = pick_config(num_tokens * TOP_K, EXPERTS, INTER, x.dtype, fmt != "bf16", x.device)
-    row = {"format": fmt, "T": num_tokens, "ms": ms, "TFLOP/s": tflops, "GB/s": gbps,
-           "peak_flop_fraction": tflops / PEAK_TFLOPS[fmt], "peak_bw_fraction": gbps / PEAK_GBPS,
-           "experts_touched": touched, "default_config": describe(default)}  # fmt: skip
     if vllm is not None:
-        with contextlib.suppress(Exception):  # an API this vLLM version lacks
-            row["vllm_ms"] = bench(partial(vllm, x, topk_weights, topk_ids))
-            row["vllm_ratio"] = row["vllm_ms"] / ms
+        runs["vllm_ms"] = vllm
+    contenders = {}
     if pool is not None:
-        row.update(sweep(fmt, args, pool))
+        fields, contenders = sweep(fmt, args, want, pool)
+        row.update(fields)
+        runs.update({f"{name}_ms": partial(fused_moe_triton, *args, config=config)
+                     for name, config in contenders.items()})  # fmt: skip
+    times = dict(zip(runs, interleaved(list(runs.values()))))
+    row.update({name: statistics.median(t) for name, t in times.items()})
+    for name in contenders:  # above 1.0: faster than the default
+        row[f"{name}_speedup"] = median_ratio(times["ms"], times[f"{name}_ms"])
+    if "flipped" in contenders:
+        stacked, pair = (
+            ("best", "flipped") if contenders["best"].gate_up.stacked else ("flipped", "best")
+        )
+        row["stacked_speedup"] = median_ratio(times[f"{pair}_ms"], times[f"{stacked}_ms"])
+    if vllm is not None:  # above 1.0: ATOM faster
+        for name in times.keys() - {"vllm_ms"}:
+            row[name.replace("ms", "vllm_ratio")] = median_ratio(times["vllm_ms"], times[name])
+    ms = row["ms"]
+    touched = int(torch.unique(topk_ids).numel())
+    tflops = 2 * num_tokens * TOP_K * 3 * HIDDEN * INTER / ms / 1e9
+    gbps = touched * w13.element_size() * 3 * HIDDEN * INTER / ms / 1e6
+    row.update({"TFLOP/s": tflops, "GB/s": gbps, "peak_flop_fraction": tflops / PEAK_TFLOPS[fmt],
+                "peak_bw_fraction": gbps / PEAK_GBPS, "experts_touched": touched})  # fmt: skip
     return row
 
 
@@ -191,9 +294,17 @@ def print_row(row: dict) -> None:
         + (f"{vllm_ms:>8.4f} {ratio:>9.2f}" if vllm_ms else f"{'-':>8} {'-':>9}")
     )
     if "best_config" in row:
-        print(f"    default        {row['ms']:.4f} ms  {row['default_config']}")
-        print(f"    best gate_up   {row['gate_up_best_ms']:.4f} ms  {row['gate_up_best_config']}")
-        print(f"    best combined  {row['best_ms']:.4f} ms  {row['best_config']}")
+        print(f"    default   {row['ms']:.4f} ms  {row['default_config']}")
+        for form in ("pair", "stacked"):
+            if best := row.get(f"gate_up_best_{form}"):
+                print(f"    gate_up {form} (sweep) {best['ms']:.4f} ms  {best['config']}")
+        for name in ("best", "flipped"):
+            if f"{name}_ms" in row:
+                vllm = f", vLLM/this {row[f'{name}_vllm_ratio']:.3f}" if vllm_ms else ""
+                print(f"    {name:<9} {row[f'{name}_ms']:.4f} ms (default/this "
+                      f"{row[f'{name}_speedup']:.3f}{vllm})  {row[f'{name}_config']}")  # fmt: skip
+        if "stacked_speedup" in row:
+            print(f"    stacked over pair, same tiles: {row['stacked_speedup']:.3f}x")
     print("RESULT", json.dumps(row), flush=True)
 
 
