@@ -176,16 +176,18 @@ def checked(label: str, configs: list[MoEConfig], fmt: str, args: tuple, want) -
     runs, rejected = [], 0
     for config in configs:
         run = partial(fused_moe_triton, *args, config=config)
-        with contextlib.suppress(Exception):  # a tile that exceeds this GPU's resources
+        try:
             with nan_filled_allocations():
                 error = mismatch(run(), want, fmt != "bf16")
-            if error is None:
-                runs.append((config, run))
-                continue
+        except Exception as exc:  # a tile that exceeds this GPU's resources
+            error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+        if error is None:
+            runs.append((config, run))
+        else:
             rejected += 1
             print(f"  {label}: rejected {describe(config)}: {error}", flush=True)
     if rejected:
-        print(f"  {label}: rejected {rejected} configs whose output differs", flush=True)
+        print(f"  {label}: rejected {rejected} of {len(configs)} configs", flush=True)
     return runs
 
 
