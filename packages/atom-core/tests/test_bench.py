@@ -92,6 +92,7 @@ def test_resolve_rejects_bad_options(tmp_path):
         "is not a directory": ["--vllm-path", str(tmp_path / "missing")],
         "KEY=VALUE": ["--atom-option", "enforce_eager"],
         "--device": ["--device", "tpu"],
+        "--repeats": ["--repeats", "0"],
     }
     for message, argv in cases.items():
         with pytest.raises(BenchError, match=message):
@@ -140,12 +141,15 @@ def test_atom_bench_end_to_end_on_cpu(tmp_path, capsys, monkeypatch, profile):
     out = tmp_path / "out"
     argv = ["bench", "--engines", "atom", "--shapes", "tiny", "--workloads", "2x8->4"]
     argv += ["--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(out)]
-    main(argv + ["--profile"] * profile)
+    main(argv + ["--repeats", "3"] + ["--profile"] * profile)
     printed = capsys.readouterr().out
     assert "tiny / atom: 2x8->4:" in printed and "ratio vs atom" in printed
     (result,) = json.loads((out / "bench.json").read_text())["results"]
     assert result["output_tokens"] == 8 and result["short_outputs"] == 0
     assert result["ratio"] == 1.0 and result["output_tok_s"] > 0
+    runs = result["output_tok_s_runs"]
+    assert result["repeats"] == 3 and len(runs) == 3
+    assert result["output_tok_s"] == sorted(runs)[1]  # the median run
     profiles = sorted(p.name for p in (out / "profiles").glob("*")) if profile else []
     assert profiles == (["tiny.atom.2x8-4.trace.json.gz", "tiny.atom.2x8-4.txt"] if profile else [])
     if profile:  # a CPU run records no kernels, and the summary says so

@@ -134,40 +134,58 @@ class SglangEngine:
 HOSTS = {"atom": AtomEngine, "vllm": VllmEngine, "sglang": SglangEngine}
 
 
+def timed_run(engine, job: dict, workload: Workload, seed: int, traced: bool) -> dict:
+    """One timed generation of `workload` on prompts drawn with `seed`; with a profile
+    folder in the job, the first (`traced`) run is recorded."""
+    profile_dir = job.get("profile_dir") if traced else None
+    stem = (
+        Path(profile_dir) / f"{job['tag']}.{workload.name.replace('->', '-')}"
+        if profile_dir
+        else None
+    )
+    prompts = make_prompts(workload, job["vocab_size"], seed)
+    with engine.trace(stem) if stem else nullcontext([]) as trace_files:
+        t = time.perf_counter()
+        lengths = engine.generate(prompts, workload.output_len)
+        elapsed = time.perf_counter() - t
+    if stem:
+        report = Path(f"{stem}.txt")
+        report.write_text(summarize(trace_files))
+        emit("profile", workload=workload.name, report=str(report))
+    output_tokens = sum(lengths)
+    return dict(
+        time_s=elapsed,
+        output_tokens=output_tokens,
+        output_tok_s=output_tokens / elapsed,
+        total_tok_s=(output_tokens + workload.num_prompts * workload.input_len) / elapsed,
+        short_outputs=sum(n != workload.output_len for n in lengths),
+    )
+
+
 def run(job: dict) -> None:
     started = time.perf_counter()
     engine = HOSTS[job["host"]](job)
     emit("ready", init_s=time.perf_counter() - started)
+    repeats = job["repeats"]
     for spec in job["workloads"]:
         workload = Workload(**spec)
-        prompts = make_prompts(workload, job["vocab_size"], job["seed"])
         emit("start", workload=workload.name)
         warm = warmup_workload(workload)
-        # Other prompts than the timed ones: the timed run must not hit the prefix cache.
-        engine.generate(make_prompts(warm, job["vocab_size"], job["seed"] + 1), warm.output_len)
-        profile_dir = job.get("profile_dir")
-        stem = (
-            Path(profile_dir) / f"{job['tag']}.{workload.name.replace('->', '-')}"
-            if profile_dir
-            else None
+        # Other prompts than the timed ones: the timed runs must not hit the prefix cache.
+        engine.generate(
+            make_prompts(warm, job["vocab_size"], job["seed"] + repeats), warm.output_len
         )
-        with engine.trace(stem) if stem else nullcontext([]) as trace_files:
-            t = time.perf_counter()
-            lengths = engine.generate(prompts, workload.output_len)
-            elapsed = time.perf_counter() - t
-        if stem:
-            report = Path(f"{stem}.txt")
-            report.write_text(summarize(trace_files))
-            emit("profile", workload=workload.name, report=str(report))
-        output_tokens = sum(lengths)
+        runs = [
+            timed_run(engine, job, workload, seed=job["seed"] + i, traced=i == 0)
+            for i in range(repeats)
+        ]
+        median = sorted(runs, key=lambda r: r["output_tok_s"])[(repeats - 1) // 2]
         emit(
             "result",
             workload=workload.name,
-            time_s=elapsed,
-            output_tokens=output_tokens,
-            output_tok_s=output_tokens / elapsed,
-            total_tok_s=(output_tokens + workload.num_prompts * workload.input_len) / elapsed,
-            short_outputs=sum(n != workload.output_len for n in lengths),
+            **median,
+            repeats=repeats,
+            output_tok_s_runs=[r["output_tok_s"] for r in runs],
         )
     if hasattr(engine, "close"):
         engine.close()

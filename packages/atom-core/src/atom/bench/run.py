@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per workload, each on new prompts; the median run is reported "
+        "(short workloads such as 1x128->256 vary by 10-20%% from run to run)",
+    )
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
     parser.add_argument(
         "--work",
@@ -154,6 +161,7 @@ def run_engine(spec: EngineSpec, shape: Shape, folder: Path, args, clock: _Clock
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 vocab_size=shape.vocab_size,
                 seed=args.seed,
+                repeats=args.repeats,
                 workloads=[asdict(w) for w in args.workload_list],
                 options=options,
                 tag=tag,
@@ -205,9 +213,15 @@ def run_engine(spec: EngineSpec, shape: Shape, folder: Path, args, clock: _Clock
                     print(Path(event["report"]).read_text(), flush=True)
                 elif event["event"] == "result":
                     results[event["workload"]] = event
+                    runs = event["output_tok_s_runs"]
+                    spread = (
+                        f"; median of {len(runs)}, {min(runs):,.1f}-{max(runs):,.1f}"
+                        if len(runs) > 1
+                        else ""
+                    )
                     clock.say(
                         f"{where}: {event['workload']}: {event['output_tok_s']:,.1f} output tok/s "
-                        f"({event['time_s']:.2f} s)"
+                        f"({event['time_s']:.2f} s{spread})"
                     )
             elif line:
                 log.write(line)
@@ -266,6 +280,8 @@ def resolve(args: argparse.Namespace) -> None:
             raise BenchError(f"--max-model-len exceeds {shape.name}'s {limit} positions")
     if args.device not in ("cuda", "cpu"):
         raise BenchError(f"--device {args.device!r}: use cuda or cpu")
+    if args.repeats < 1:
+        raise BenchError(f"--repeats {args.repeats}: run each workload at least once")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise BenchError("--gpu-memory-utilization must be in (0, 1]")
     for host, path in (("vllm", args.vllm_path), ("sglang", args.sglang_path)):
