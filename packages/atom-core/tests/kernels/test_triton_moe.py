@@ -271,10 +271,12 @@ def test_fused_moe_stacked_gate_up(config, weights):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-def test_fused_moe_picked_tiles_for_large_batches(fp8):
-    """The tiles pick_config gives experts with hundreds of rows each (bf16: a down N-tile
-    twice the gated one's; FP8 block: 64-row tiles, 64 wide)."""
-    num_tokens, num_experts, top_k, hidden, inter = 2048, 8, 2, 512, 384
+@pytest.mark.parametrize("num_tokens", [1024, 2048])  # 256 and 512 rows per expert
+def test_fused_moe_picked_tiles_for_large_batches(fp8, num_tokens):
+    """The tiles pick_config gives experts with hundreds of rows each (bf16: stacked
+    gate/up, then a down N-tile twice as wide past 256 rows; FP8 block: 64- then 128-row
+    tiles)."""
+    num_experts, top_k, hidden, inter = 8, 2, 512, 384
     x, weights, ids = routed(num_tokens, num_experts, top_k, hidden, torch.bfloat16)
     if fp8:
         q13, s13, q2, s2 = fp8_block_experts(num_experts, hidden, inter)
