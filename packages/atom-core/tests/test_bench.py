@@ -13,7 +13,7 @@ import pytest
 
 from atom.bench.engines import ENGINES, engine_env, parse_engines
 from atom.bench.profile import summarize
-from atom.bench.report import add_ratios, format_table, write_json
+from atom.bench.report import add_ratios, format_table, median_rounds, write_json
 from atom.bench.run import add_arguments, resolve
 from atom.bench.shapes import parse_shapes
 from atom.bench.workloads import BenchError, Workload, make_prompts, parse_workloads
@@ -93,6 +93,7 @@ def test_resolve_rejects_bad_options(tmp_path):
         "KEY=VALUE": ["--atom-option", "enforce_eager"],
         "--device": ["--device", "tpu"],
         "--repeats": ["--repeats", "0"],
+        "--rounds": ["--rounds", "0"],
     }
     for message, argv in cases.items():
         with pytest.raises(BenchError, match=message):
@@ -135,21 +136,49 @@ def test_report_ratios_table_and_json(tmp_path):
     assert json.loads((tmp_path / "b.json").read_text())["results"][1]["ratio"] == 1.25
 
 
+def test_rounds_report_each_engines_median_round_and_keep_failures():
+    rounds = [
+        [_result("vllm", "1x8->4", 100.0), _result("atom", "1x8->4", 120.0)],
+        [_result("atom", "1x8->4", 90.0), _result("vllm", "1x8->4", 100.0)],  # reversed
+        [_result("vllm", "1x8->4", 80.0), _result("atom", "1x8->4", 100.0)],
+    ]
+    failed = _result("atom", "2x8->4", 0.0)
+    del failed["output_tok_s"]
+    rounds[1].append(failed)
+    rounds[0].append(_result("atom", "2x8->4", 10.0))
+    merged = median_rounds(rounds, "vllm")
+    assert [(r["engine"], r["workload"]) for r in merged] == [
+        ("vllm", "1x8->4"),
+        ("atom", "1x8->4"),
+        ("atom", "2x8->4"),
+    ]
+    vllm, atom, atom_failed = merged
+    assert vllm["output_tok_s"] == 100.0 and vllm["rounds_output_tok_s"] == [100.0, 100.0, 80.0]
+    assert atom["output_tok_s"] == 100.0 and atom["rounds_ratio"] == [1.2, 0.9, 1.25]
+    assert "output_tok_s" not in atom_failed
+    add_ratios(merged, "vllm")
+    assert atom["ratio"] == 1.0
+    assert format_table(merged, "vllm").splitlines()[3].endswith("1.200 0.900 1.250")
+
+
 @pytest.mark.parametrize("profile", [False, True])
 def test_atom_bench_end_to_end_on_cpu(tmp_path, capsys, monkeypatch, profile):
     monkeypatch.setenv("PYTHONPATH", ":".join(p for p in sys.path if p))
     out = tmp_path / "out"
     argv = ["bench", "--engines", "atom", "--shapes", "tiny", "--workloads", "2x8->4"]
     argv += ["--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(out)]
-    main(argv + ["--repeats", "3"] + ["--profile"] * profile)
+    # Two rounds without the profile: each engine runs twice, in a fresh process each.
+    main(argv + ["--repeats", "3"] + (["--profile"] if profile else ["--rounds", "2"]))
     printed = capsys.readouterr().out
-    assert "tiny / atom: 2x8->4:" in printed and "ratio vs atom" in printed
+    where = "tiny / atom" if profile else "tiny / atom (round 2/2)"
+    assert f"{where}: 2x8->4:" in printed and "ratio vs atom" in printed
     (result,) = json.loads((out / "bench.json").read_text())["results"]
     assert result["output_tokens"] == 8 and result["short_outputs"] == 0
     assert result["ratio"] == 1.0 and result["output_tok_s"] > 0
     runs = result["output_tok_s_runs"]
     assert result["repeats"] == 3 and len(runs) == 3
     assert result["output_tok_s"] == sorted(runs)[1]  # the median run
+    assert len(result.get("rounds_output_tok_s", [])) == (0 if profile else 2)
     profiles = sorted(p.name for p in (out / "profiles").glob("*")) if profile else []
     assert profiles == (["tiny.atom.2x8-4.trace.json.gz", "tiny.atom.2x8-4.txt"] if profile else [])
     if profile:  # a CPU run records no kernels, and the summary says so

@@ -20,13 +20,35 @@ def add_ratios(results: list[dict], baseline: str) -> None:
         r["ratio"] = r["output_tok_s"] / reference if reference and "output_tok_s" in r else None
 
 
-def _row(r: dict) -> list[str]:
+def median_rounds(rounds: list[list[dict]], baseline: str) -> list[dict]:
+    """One row per shape, engine and workload out of several rounds: the round with the
+    median output tok/s, with every round's figure and its ratio to the baseline's figure
+    of the same round. A workload that failed in any round stays a failed row."""
+    runs: dict[tuple, list[dict]] = {}
+    for rows in rounds:
+        add_ratios(rows, baseline)
+        for r in rows:
+            runs.setdefault((r["shape"], r["engine"], r["workload"]), []).append(r)
+    merged = []
+    for same in runs.values():
+        failed = [r for r in same if "output_tok_s" not in r]
+        if failed:
+            merged.append(failed[0])
+            continue
+        row = dict(sorted(same, key=lambda r: r["output_tok_s"])[(len(same) - 1) // 2])
+        row["rounds_output_tok_s"] = [r["output_tok_s"] for r in same]
+        row["rounds_ratio"] = [r["ratio"] for r in same]
+        merged.append(row)
+    return merged
+
+
+def _row(r: dict, by_round: bool) -> list[str]:
     numbers = (
         [f"{r['output_tok_s']:,.1f}", f"{r['total_tok_s']:,.1f}"]
         if "output_tok_s" in r
         else ["failed", "-"]
     )
-    ratio = f"{r['ratio']:.3f}" if r.get("ratio") is not None else "-"
+    ratio = _ratio(r.get("ratio"))
     return [
         r["shape"],
         r["engine"],
@@ -35,12 +57,17 @@ def _row(r: dict) -> list[str]:
         str(r["output_len"]),
         *numbers,
         ratio,
-    ]
+    ] + ([" ".join(_ratio(x) for x in r.get("rounds_ratio", []))] if by_round else [])
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def format_table(results: list[dict], baseline: str) -> str:
-    header = [*COLUMNS[:-1], f"ratio vs {baseline}"]
-    rows = [header] + [_row(r) for r in results]
+    by_round = any("rounds_ratio" in r for r in results)
+    header = [*COLUMNS[:-1], f"ratio vs {baseline}"] + ["ratio by round"] * by_round
+    rows = [header] + [_row(r, by_round) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

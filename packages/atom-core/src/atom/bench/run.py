@@ -18,7 +18,7 @@ from pathlib import Path
 
 from atom.bench.driver import EVENT
 from atom.bench.engines import DEFAULT_ENGINES, ENGINES, EngineSpec, engine_env, parse_engines
-from atom.bench.report import add_ratios, format_table, write_json, write_plot
+from atom.bench.report import add_ratios, format_table, median_rounds, write_json, write_plot
 from atom.bench.shapes import DEFAULT_SHAPES, SHAPES, Shape, parse_shapes
 from atom.bench.workloads import DEFAULT_WORKLOADS, BenchError, parse_workloads
 
@@ -53,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the engines this many times in turn (order reversed every other round), "
+        "each in a fresh process; rows report each engine's median round (the host's speed "
+        "differs between processes, which decides host-bound workloads such as 1x128->256)",
+    )
     parser.add_argument(
         "--repeats",
         type=int,
@@ -143,10 +151,14 @@ def _reader(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def run_engine(spec: EngineSpec, shape: Shape, folder: Path, args, clock: _Clock) -> list[dict]:
+def run_engine(
+    spec: EngineSpec, shape: Shape, folder: Path, args, clock: _Clock, round_index: int = 0
+) -> list[dict]:
     """Runs one engine over all workloads in a subprocess; one result dict per workload."""
     work = Path(args.work)
     tag = f"{shape.name.replace(':', '-L')}.{spec.name}"
+    if args.rounds > 1:
+        tag += f".round{round_index + 1}"
     job_file = work / "jobs" / f"{tag}.json"
     job_file.parent.mkdir(parents=True, exist_ok=True)
     options = args.host_options[spec.host]
@@ -176,7 +188,9 @@ def run_engine(spec: EngineSpec, shape: Shape, folder: Path, args, clock: _Clock
         (Path(args.out) / "profiles").mkdir(parents=True, exist_ok=True)
         # The profiler in the driver sees vLLM's model only with its engine core in-process.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    where = f"{shape.name} / {spec.name}"
+    where = f"{shape.name} / {spec.name}" + (
+        f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
+    )
     clock.say(f"{where}: starting ({spec.description}); log: {log_path}")
     results: dict[str, dict] = {}
     started = time.monotonic()
@@ -280,6 +294,8 @@ def resolve(args: argparse.Namespace) -> None:
             raise BenchError(f"--max-model-len exceeds {shape.name}'s {limit} positions")
     if args.device not in ("cuda", "cpu"):
         raise BenchError(f"--device {args.device!r}: use cuda or cpu")
+    if args.rounds < 1:
+        raise BenchError(f"--rounds {args.rounds}: run the engines at least once")
     if args.repeats < 1:
         raise BenchError(f"--repeats {args.repeats}: run each workload at least once")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -301,8 +317,13 @@ def main(args: argparse.Namespace) -> list[dict]:
     results: list[dict] = []
     for shape in args.shape_list:
         folder = ensure_checkpoint(shape, work, clock)
-        for spec in args.engine_list:
-            results += run_engine(spec, shape, folder, args, clock)
+        rounds = []
+        for i in range(args.rounds):
+            engines = args.engine_list if i % 2 == 0 else args.engine_list[::-1]
+            rounds.append(
+                [row for spec in engines for row in run_engine(spec, shape, folder, args, clock, i)]
+            )
+        results += median_rounds(rounds, args.baseline) if args.rounds > 1 else rounds[0]
         if args.delete_checkpoints:
             shutil.rmtree(folder)
     add_ratios(results, args.baseline)
