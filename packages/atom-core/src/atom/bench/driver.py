@@ -19,6 +19,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from atom.bench.profile import summarize
+from atom.bench.report import median_run
 from atom.bench.workloads import Workload, make_prompts, warmup_workload
 
 EVENT = "BENCH_EVENT "
@@ -135,8 +136,8 @@ HOSTS = {"atom": AtomEngine, "vllm": VllmEngine, "sglang": SglangEngine}
 
 
 def timed_run(engine, job: dict, workload: Workload, seed: int, traced: bool) -> dict:
-    """One timed generation of `workload` on prompts drawn with `seed`; with a profile
-    folder in the job, the first (`traced`) run is recorded."""
+    """One timed generation of `workload` on prompts drawn with `seed`; records a trace
+    when `traced` and the job has a profile folder."""
     profile_dir = job.get("profile_dir") if traced else None
     stem = (
         Path(profile_dir) / f"{job['tag']}.{workload.name.replace('->', '-')}"
@@ -179,14 +180,14 @@ def run(job: dict) -> None:
             timed_run(engine, job, workload, seed=job["seed"] + i, traced=i == 0)
             for i in range(repeats)
         ]
-        median = sorted(runs, key=lambda r: r["output_tok_s"])[(repeats - 1) // 2]
-        emit(
-            "result",
-            workload=workload.name,
-            **median,
-            repeats=repeats,
-            output_tok_s_runs=[r["output_tok_s"] for r in runs],
-        )
+        # The profiler slows the traced run: the median is of the others where there are.
+        untraced = runs[1:] if job.get("profile_dir") and repeats > 1 else runs
+        result = median_run(untraced) | {
+            "short_outputs": sum(r["short_outputs"] for r in runs),  # any run's, not hidden
+            "repeats": repeats,
+            "output_tok_s_runs": [r["output_tok_s"] for r in runs],
+        }
+        emit("result", workload=workload.name, **result)
     if hasattr(engine, "close"):
         engine.close()
 

@@ -20,6 +20,12 @@ def add_ratios(results: list[dict], baseline: str) -> None:
         r["ratio"] = r["output_tok_s"] / reference if reference and "output_tok_s" in r else None
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median output tok/s; for an even count the slower of the middle
+    two, so the figure is always one that a run reached."""
+    return sorted(runs, key=lambda r: r["output_tok_s"])[(len(runs) - 1) // 2]
+
+
 def median_rounds(rounds: list[list[dict]], baseline: str) -> list[dict]:
     """One row per shape, engine and workload out of several rounds: the round with the
     median output tok/s, with every round's figure and its ratio to the baseline's figure
@@ -35,9 +41,9 @@ def median_rounds(rounds: list[list[dict]], baseline: str) -> list[dict]:
         if failed:
             merged.append(failed[0])
             continue
-        row = dict(sorted(same, key=lambda r: r["output_tok_s"])[(len(same) - 1) // 2])
-        row["rounds_output_tok_s"] = [r["output_tok_s"] for r in same]
-        row["rounds_ratio"] = [r["ratio"] for r in same]
+        row = dict(median_run(same))
+        row["output_tok_s_rounds"] = [r["output_tok_s"] for r in same]
+        row["ratio_rounds"] = [r["ratio"] for r in same]
         merged.append(row)
     return merged
 
@@ -57,7 +63,7 @@ def _row(r: dict, by_round: bool) -> list[str]:
         str(r["output_len"]),
         *numbers,
         ratio,
-    ] + ([" ".join(_ratio(x) for x in r.get("rounds_ratio", []))] if by_round else [])
+    ] + ([" ".join(_ratio(x) for x in r.get("ratio_rounds", []))] if by_round else [])
 
 
 def _ratio(value: float | None) -> str:
@@ -65,7 +71,7 @@ def _ratio(value: float | None) -> str:
 
 
 def format_table(results: list[dict], baseline: str) -> str:
-    by_round = any("rounds_ratio" in r for r in results)
+    by_round = any("ratio_rounds" in r for r in results)
     header = [*COLUMNS[:-1], f"ratio vs {baseline}"] + ["ratio by round"] * by_round
     rows = [header] + [_row(r, by_round) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

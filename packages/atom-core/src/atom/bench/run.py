@@ -65,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="timed runs per workload, each on new prompts; the median run is reported "
-        "(short workloads such as 1x128->256 vary by 10-20%% from run to run)",
+        help="timed runs per workload, each on new prompts; the median run is reported (the "
+        "slower middle one for even counts; with --profile, of the runs after the traced "
+        "first). Short workloads such as 1x128->256 vary by 10-20%% from run to run",
     )
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
     parser.add_argument(
@@ -82,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="record a torch-profiler trace of each timed run and write a kernel/idle "
-        "summary next to it in OUT/profiles (slows the runs; use short workloads)",
+        help="record a torch-profiler trace of each workload's first timed run and write a "
+        "kernel/idle summary next to it in OUT/profiles (slows that run; use short workloads)",
     )
     parser.add_argument(
         "--timeout", type=float, default=3600, help="seconds per engine and shape (default 3600)"
