@@ -1,8 +1,9 @@
 """Triton MoE kernels (routing, expert alignment, fused experts) against the torch references.
 
 Runs on a CUDA device; on CPU only under Triton's interpreter (TRITON_INTERPRET=1, fp32,
-small shapes), and is skipped otherwise. FP8 weights with block scales need the GPU (the
-interpreter rounds to e4m3 differently from the hardware).
+small shapes), and is skipped otherwise. The full grid of FP8 block-scaled weights runs on
+the GPU only (the interpreter rounds to e4m3 differently from the hardware); the stacked
+gate/up test's small shapes run on the interpreter too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ triton = pytest.importorskip("triton")
 
 DEVICE = triton_test_device()
 
-from atom.kernels.triton.fused_moe import GemmTiles, MoEConfig, fused_moe_triton  # noqa: E402
+from atom.kernels.triton.fused_moe import (  # noqa: E402
+    GemmTiles,
+    MoEConfig,
+    fused_moe_triton,
+    pick_config,
+)
 from atom.kernels.triton.moe_align import align_to_experts, max_padded_rows  # noqa: E402
 from atom.kernels.triton.moe_routing import grouped_topk_triton, topk_softmax_triton  # noqa: E402
 
@@ -284,6 +290,10 @@ def test_fused_moe_picked_tiles_for_large_batches(fp8, num_tokens):
     else:
         w13, w2 = moe_weights(num_experts, hidden, inter, torch.bfloat16)
         args = (x, w13, w2, weights, ids, "silu", None, None, None)
+    picked = pick_config(num_tokens * top_k, num_experts, inter, x.dtype, fp8, x.device)
+    assert picked.gate_up.stacked is not fp8
+    assert picked.block_m == (64 if fp8 and num_tokens == 1024 else 128)
+    assert picked.down.block_n == (256 if not fp8 and num_tokens == 2048 else 128)
     assert relative_error(fused_moe_triton(*args), fused_moe_torch(*args)) < (3e-2 if fp8 else 1e-2)
 
 

@@ -12,7 +12,7 @@ activations are quantized per token group and the GEMMs run in FP8.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -122,7 +122,7 @@ def _moe_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + expert * stride_be + b_rows.to(tl.int64)[None, :] * stride_bn + ks[:, None]
-    up_ptrs = b_ptrs + up_offset * stride_bn
+    up_ptrs = b_ptrs + up_offset * stride_bn  # GATED_PAIR only (unused values are dropped)
     scale_base = b_scale_ptr + expert * stride_bse
     b_scale_ptrs = _scale_ptrs(scale_base, b_rows, stride_bsn, SCALES, GROUP_N)
     up_scale_ptrs = _scale_ptrs(scale_base, b_rows + up_offset, stride_bsn, SCALES, GROUP_N)
@@ -153,7 +153,7 @@ def _moe_gemm_kernel(
         acc *= tl.load(b_scale_ptrs, mask=b_ok, other=0.0)[None, :]
         if GATING == 1:
             acc_up *= tl.load(up_scale_ptrs, mask=b_ok, other=0.0)[None, :]
-    if GATING == 2:  # a column pair sits in one thread's registers: the split moves nothing
+    if GATING == 2:  # MMA accumulators hold adjacent column pairs per thread
         acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     if GATING != 0:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -193,23 +193,25 @@ def pick_config(
         # 0.890 / 3.17 with 64x64x128 tiles and four warps in both GEMMs (vLLM 0.890 / 3.15).
         # The down GEMM wants 128-wide tiles and eight warps; past 256 rows per expert both
         # GEMMs take 128-row tiles. The stacked gate/up tile lost here (0.79x at 16384).
+        gate_up = GemmTiles(block_n=64, block_k=block_k, group_m=8, num_stages=3)
+        down = GemmTiles(block_n=128, block_k=block_k, num_warps=8, num_stages=3)
         if rows_per_expert <= 256:
-            return MoEConfig(64, GemmTiles(64, 128, 8, 4, 3), GemmTiles(128, 128, 1, 8, 3))
-        return MoEConfig(128, GemmTiles(64, 128, 8, 8, 3), GemmTiles(128, 128, 8, 8, 3))
+            return MoEConfig(64, gate_up, down)
+        return MoEConfig(128, replace(gate_up, num_warps=8), replace(down, group_m=8))
     if fp32:
         if rows_per_expert <= 256:
             return MoEConfig.same(64, 64, block_k, 8, 4, stages)
         return MoEConfig.same(128, 64, block_k, 8, 8, stages)
-    # H100 sweep, bf16: the stacked gate/up tile (one 128x256 dot per K step instead of two
-    # 128x128) is 1.7% / 2.2% faster at T=4096 / 16384 with the same tiles; in all 0.930 /
-    # 2.92 ms against vLLM's 0.993 / 3.34. 128x128x64 tiles with eight warps beat 64-row
-    # tiles with four (H200: 0.86 vs 1.01 ms at T=4096).
+    # H100 sweep, bf16 (128-row tiles, 128x64 N/K tiles, eight warps): the stacked gate/up
+    # tile, one 128x256 dot per K step instead of two 128x128, was 1.7% / 2.2% faster at
+    # T=4096 / 16384 than the paired form with otherwise equal tiles; the configs below,
+    # each the sweep's best at its T (group_m included), ran 0.930 / 2.92 ms against vLLM's
+    # 0.993 / 3.34.
+    tiles = GemmTiles(block_n=128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
     if rows_per_expert <= 256:
-        return MoEConfig(
-            128, GemmTiles(128, 64, 1, 8, 3, stacked=True), GemmTiles(128, 64, 8, 8, 3)
-        )
+        return MoEConfig(128, replace(tiles, group_m=1, stacked=True), tiles)
     # The ungated down GEMM fills 256-wide tiles once experts have many rows.
-    return MoEConfig(128, GemmTiles(128, 64, 8, 8, 3, stacked=True), GemmTiles(256, 64, 1, 8, 3))
+    return MoEConfig(128, replace(tiles, stacked=True), replace(tiles, block_n=256, group_m=1))
 
 
 def _row_scale(scale: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, int, int]:
