@@ -2,7 +2,7 @@
 
 Shapes follow shared/anchors (bf16, paged KV with 16-token blocks, 32 q / 8 kv heads,
 head dim 128), so the figures sit next to vLLM's. Usage:
-    python benchmarks/kernels.py [--json out.json]
+    PYTHONPATH=packages/atom-core/src:. python benchmarks/kernels.py [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ from atom.kernels.triton.kv_cache import write_kv_cache_triton
 from atom.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
 from atom.kernels.triton.paged_attention import paged_attention_triton
 from atom.kernels.triton.rotary import apply_rotary_emb_triton
-from benchmarks.timing import bench, interleaved, median_ratio
-
-PEAK_GBPS = 3350.0  # H100 SXM HBM3
-PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
+from benchmarks.timing import H100_PEAK_GBPS, H100_PEAK_TFLOPS, bench, interleaved, median_ratio
 
 
 def paged_batch(q_lens, ctx_lens, heads=32, kv_heads=8, head_dim=128, block_size=16):
@@ -92,7 +89,7 @@ def decode_rows():
         row = side_by_side({"kernel": "decode attention", "shape": f"{batch} seqs x {ctx} ctx"},
                            fn, fa3, q, k, v, md)  # fmt: skip
         gbps = 2 * batch * ctx * 8 * 128 * 2 / row["ms"] / 1e6  # K and V bytes read
-        yield row | {"GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}
+        yield row | {"GB/s": gbps, "peak_fraction": gbps / H100_PEAK_GBPS}
 
 
 def prefill_rows():
@@ -107,7 +104,7 @@ def prefill_rows():
                            fn, fa3, q, k, v, md)  # fmt: skip
         flops = 4 * batch * length * length * 32 * 128 / 2  # causal: half the square
         tflops = flops / row["ms"] / 1e9
-        yield row | {"TFLOP/s": tflops, "peak_fraction": tflops / PEAK_TFLOPS}
+        yield row | {"TFLOP/s": tflops, "peak_fraction": tflops / H100_PEAK_TFLOPS["bf16"]}
 
 
 def elementwise_rows():
@@ -117,12 +114,12 @@ def elementwise_rows():
         ms = bench(partial(fused_add_rms_norm_triton, x, r, w, 1e-6))
         gbps = 4 * x.numel() * 2 / ms / 1e6  # read x, residual; write out, residual
         yield {"kernel": "fused add+RMSNorm", "shape": f"{tokens} x {hidden}", "ms": ms,
-               "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
+               "GB/s": gbps, "peak_fraction": gbps / H100_PEAK_GBPS}  # fmt: skip
         gate_up = torch.randn(tokens, 2 * hidden, device="cuda", dtype=torch.bfloat16)
         ms = bench(partial(silu_and_mul_triton, gate_up))
         gbps = 3 * x.numel() * 2 / ms / 1e6
         yield {"kernel": "SiLU-and-mul", "shape": f"{tokens} x {hidden}", "ms": ms,
-               "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
+               "GB/s": gbps, "peak_fraction": gbps / H100_PEAK_GBPS}  # fmt: skip
 
 
 def unfused_qkv_rope_write_kv(q, k, v, positions, cos_sin, key_cache, value_cache, slots, w):
@@ -157,7 +154,7 @@ def qkv_prologue_rows():
             ms = bench(fn)
             gbps = gbytes / ms * 1e3
             yield {"kernel": name, "shape": f"{tokens} tok 16q/8kv d128", "ms": ms,
-                   "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
+                   "GB/s": gbps, "peak_fraction": gbps / H100_PEAK_GBPS}  # fmt: skip
 
 
 def main() -> None:

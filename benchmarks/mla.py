@@ -4,7 +4,7 @@ Decode: GB/s of latent cache read (every context row, L + R channels, once per s
 Prefill: TFLOP/s of the up-projected path, counting the expansion of the prefill sequences'
 latents through W_UK / W_UV and the causal attention (q.k over Dn + R, p.v over Dv).
 Times are medians of triton.testing.do_bench. Usage, from the repository root:
-    PYTHONPATH=packages/atom-core/src python -m benchmarks.mla [--block-size 64] [--sweep]
+    PYTHONPATH=packages/atom-core/src:. python benchmarks/mla.py [--block-size 64] [--sweep]
         [--json out.json]
 --sweep times the decode launch configurations and prints the best three per shape.
 """
@@ -20,17 +20,14 @@ import triton
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels.triton import mla
-from benchmarks.kernels import PEAK_GBPS, PEAK_TFLOPS, report
+from benchmarks.kernels import report
+from benchmarks.timing import H100_PEAK_GBPS, H100_PEAK_TFLOPS, bench
 
 HEADS, LATENT, ROPE, NOPE, VALUE = 128, 512, 64, 128, 128
 SCALE = (NOPE + ROPE) ** -0.5
 DECODE_SHAPES = [(batch, ctx) for batch in (1, 64, 256) for ctx in (1024, 4096, 8192)]
 # (prompts, cached context, new tokens): whole prompts, then one chunk after a long prefix.
 PREFILL_SHAPES = [(1, 0, 1024), (1, 0, 4096), (1, 0, 8192), (4, 0, 4096), (1, 7680, 512)]
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def latent_batch(query_lens, seq_lens, block_size):
@@ -64,7 +61,7 @@ def decode_rows(block_size):
         ms = bench(decode_call(batch, ctx, block_size))
         gbps = decode_gbps(batch, ctx, ms)
         yield {"kernel": "MLA decode", "shape": f"{batch} seqs x {ctx} ctx", "ms": ms,
-               "GB/s": gbps, "peak_fraction": gbps / PEAK_GBPS}  # fmt: skip
+               "GB/s": gbps, "peak_fraction": gbps / H100_PEAK_GBPS}  # fmt: skip
 
 
 def prefill_rows(block_size):
@@ -92,7 +89,7 @@ def prefill_rows(block_size):
         tflops = flops / ms / 1e9
         shape = f"{prompts} x {new} tokens" + (f" after {context}" if context else "")
         yield {"kernel": "MLA prefill", "shape": shape, "ms": ms, "TFLOP/s": tflops,
-               "peak_fraction": tflops / PEAK_TFLOPS}  # fmt: skip
+               "peak_fraction": tflops / H100_PEAK_TFLOPS["bf16"]}  # fmt: skip
 
 
 def sweep_decode(block_size) -> None:

@@ -10,6 +10,11 @@ from collections.abc import Callable, Sequence
 
 import triton
 
+# The H100 SXM's peaks that the benchmarks report fractions of: HBM3 bandwidth, and dense
+# tensor-core throughput per operand type.
+H100_PEAK_GBPS = 3350.0
+H100_PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}
+
 
 def bench(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
     """fn's median time in ms (warmup and rep are milliseconds of calls)."""
@@ -17,9 +22,14 @@ def bench(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
 
 
 def interleaved(fns: Sequence[Callable], rounds: int = 5) -> list[list[float]]:
-    """Each fn's time in each round, the fns taking turns within a round: [fn][round]."""
-    per_round = [[bench(fn) for fn in fns] for _ in range(rounds)]
-    return [list(times) for times in zip(*per_round)]
+    """Each fn's time in each round, the fns taking turns within a round: [fn][round]. Every
+    other round runs them in reverse order, so that no fn always runs first (or last)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for round_index in range(rounds):
+        order = range(len(fns)) if round_index % 2 == 0 else reversed(range(len(fns)))
+        for index in order:
+            times[index].append(bench(fns[index]))
+    return times
 
 
 def median_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
