@@ -7,12 +7,8 @@ in shared/anchors/moe_anchor.py). ATOM and vLLM take turns over five rounds (med
 the median of the rounds' ratios): back-to-back runs drifted by up to 15%. Usage:
     PYTHONPATH=packages/atom-core/src:. python benchmarks/moe.py [--tokens 1 64]
         [--formats bf16] [--sweep [--workers 16]] [--json out.json]
---sweep also searches the tiles per row, in two phases: the gate_up GEMM's tiles (the down
-GEMM tiled the same; at large T both the two-dot and the stacked gate/up form), then the
-down GEMM's with gate_up at its best. Each phase compiles its configs in a pool of worker
-processes first (benchmarks/precompile.py), checks each one's output against the torch
-reference, then times the ones that match. The best config, and at large T the best with
-its gate/up form flipped, then take turns with the default and vLLM.
+--sweep also searches the tiles per row (benchmarks/moe_sweep.py); the best config, and at
+large T the best with its gate/up form flipped, then take turns with the default and vLLM.
 """
 
 from __future__ import annotations
@@ -20,10 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import itertools
 import json
 import statistics
-from dataclasses import replace
 from functools import partial
 
 import torch
@@ -31,21 +25,19 @@ import torch
 from atom.kernels.fp8 import quantize_fp8_per_block
 from atom.kernels.moe import fused_moe_torch, topk_softmax_torch
 from atom.kernels.triton.fused_moe import GemmTiles, MoEConfig, fused_moe_triton, pick_config
-from benchmarks.precompile import precompile, progress, worker_pool
-from benchmarks.timing import bench, interleaved, median_ratio
+from benchmarks.precompile import worker_pool
+from benchmarks.timing import H100_PEAK_GBPS, H100_PEAK_TFLOPS, interleaved, median_ratio
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 TOKENS = [1, 64, 4096, 16384]
 FORMATS = ("bf16", "fp8-block")
 BLOCK = (128, 128)
-PEAK_GBPS = 3350.0  # H100 SXM HBM3
-PEAK_TFLOPS = {"bf16": 989.0, "fp8-block": 1979.0}  # H100 SXM dense
 
 
 def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] -> fp8 [E, N, K] and scales [E, N/128, K/128]. One expert at a time: the
-    whole w13's fp32 temporaries peak near 8 GB, more than sixteen sweep workers at once
-    can have (the likely loss of most FP8 configs in an earlier sweep)."""
+    whole w13's fp32 temporaries peak near 8 GB per process, more than sixteen sweep
+    workers at once can have."""
     q, scales = zip(*(quantize_fp8_per_block(expert, BLOCK) for expert in w))
     return torch.stack(q), torch.stack(scales)
 
@@ -127,34 +119,6 @@ def mismatch(got: torch.Tensor, want: torch.Tensor, fp8: bool) -> str | None:
     return f"relative error {error:.3g}, {far:.2%} of elements far off"
 
 
-def tile_grid(space: dict) -> list[GemmTiles]:
-    return [GemmTiles(**dict(zip(space, v))) for v in itertools.product(*space.values())]
-
-
-def fits(block_m: int, tiles: GemmTiles, gated: bool, operand_bytes: int) -> bool:
-    """Whether a GEMM's tiles can run well here: every stage's A and B tiles in shared
-    memory (Triton refuses more), and at most 128 fp32 accumulators a thread (the gated
-    128x128 tile at eight warps holds 128 and already uses all 255 registers on sm_90)."""
-    width = tiles.block_n * (2 if gated else 1)  # gate and up columns
-    stage = (block_m + width) * tiles.block_k * operand_bytes
-    smem = torch.cuda.get_device_properties().shared_memory_per_block_optin
-    return tiles.num_stages * stage <= smem and block_m * width <= 128 * 32 * tiles.num_warps
-
-
-def sweep_spaces(num_tokens: int, fp8: bool) -> tuple[list[int], dict, dict]:
-    """(block_m values, gate_up tile space, down tile space). FP8 K-tiles must divide the
-    128-wide scale blocks."""
-    if num_tokens * TOP_K <= 16 * EXPERTS:  # every expert gets at most a few rows
-        tiles = dict(block_n=[32, 64, 128], block_k=[64, 128] + ([] if fp8 else [256]),
-                     group_m=[1], num_warps=[4], num_stages=[3, 4, 5])  # fmt: skip
-        return [16], tiles, tiles
-    gate_up = dict(block_n=[64, 128], block_k=[64, 128], group_m=[1, 8],
-                   num_warps=[4, 8], num_stages=[3, 4])  # fmt: skip
-    # Only the down GEMM has one accumulator: a 256-wide N-tile would spill in the gated one.
-    down = {**gate_up, "block_n": [64, 128, 256]}
-    return [64, 128], {**gate_up, "stacked": [False, True]}, down
-
-
 def describe(config: MoEConfig) -> str:
     def tiles(t: GemmTiles, gated: bool) -> str:
         form = (" stacked" if t.stacked else " pair") if gated else ""
@@ -164,81 +128,6 @@ def describe(config: MoEConfig) -> str:
             f"down {tiles(config.down, False)}")  # fmt: skip
 
 
-def compile_config(item) -> None:
-    """Sweep worker: one run of one config on the row's inputs compiles both GEMMs."""
-    fmt, num_tokens, config = item
-    fused_moe_triton(*layer_args(fmt, num_tokens), config=config)
-    torch.cuda.synchronize()
-
-
-def checked(label: str, configs: list[MoEConfig], fmt: str, args: tuple, want) -> list:
-    """The configs whose output matches the reference (want), each with its run function."""
-    runs, rejected = [], 0
-    for config in configs:
-        run = partial(fused_moe_triton, *args, config=config)
-        try:
-            with nan_filled_allocations():
-                error = mismatch(run(), want, fmt != "bf16")
-        except Exception as exc:  # a tile that exceeds this GPU's resources
-            error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
-        if error is None:
-            runs.append((config, run))
-        else:
-            rejected += 1
-            print(f"  {label}: rejected {describe(config)}: {error}", flush=True)
-    if rejected:
-        print(f"  {label}: rejected {rejected} of {len(configs)} configs", flush=True)
-    return runs
-
-
-def fastest(label: str, configs, fmt: str, args: tuple, want, pool) -> list[tuple]:
-    """(sweep ms, config) of the configs that compile and match, fastest first."""
-    num_tokens = args[0].shape[0]
-    ran = precompile(compile_config, [(fmt, num_tokens, c) for c in configs], pool, label)
-    runs = checked(label, [c for c, ok in zip(configs, ran) if ok], fmt, args, want)
-    timed = []
-    for done, (config, run) in enumerate(runs, 1):
-        with contextlib.suppress(Exception):
-            timed.append((bench(run, warmup=10, rep=50), config))
-        progress(f"{label} timed", done, len(runs))
-    print(f"  {label}: {len(timed)} of {len(configs)} configs timed", flush=True)
-    return sorted(timed, key=lambda t: t[0])
-
-
-def sweep(fmt: str, args: tuple, want, pool) -> tuple[dict, dict[str, MoEConfig]]:
-    """The gate_up tiles first (down tiled the same), then the down tiles with gate_up and
-    block_m fixed at their best. Returns the row's sweep fields and the configs to time
-    against the default: the best, and the best with its gate/up form flipped."""
-    num_tokens = args[0].shape[0]
-    operand_bytes = 2 if fmt == "bf16" else 1
-    block_ms, gate_up_space, down_space = sweep_spaces(num_tokens, fmt != "bf16")
-    label = f"{fmt} T={num_tokens}"
-    space = [MoEConfig(m, t, t) for m in block_ms for t in tile_grid(gate_up_space)]
-    same = [c for c in space if fits(c.block_m, c.gate_up, True, operand_bytes)]
-    print(f"  {label}: {len(same)} of {len(space)} gate_up configs fit", flush=True)
-    gate_up_timed = fastest(f"{label} gate_up", same, fmt, args, want, pool)
-    if not gate_up_timed:
-        return {"sweep_error": "no gate_up config ran and matched the reference"}, {}
-    fields = {}
-    for stacked in gate_up_space.get("stacked", [False]):
-        form = [t for t in gate_up_timed if t[1].gate_up.stacked == stacked]
-        if form:
-            key = "stacked" if stacked else "pair"
-            fields[f"gate_up_best_{key}"] = {"ms": form[0][0], "config": describe(form[0][1])}
-    gate_up_best = gate_up_timed[0][1]
-    downs = [replace(gate_up_best, down=t) for t in tile_grid(down_space)]
-    downs = [c for c in downs if fits(c.block_m, c.down, False, operand_bytes)]
-    best_ms, best = fastest(f"{label} down", downs, fmt, args, want, pool)[0]
-    fields.update(best_sweep_ms=best_ms, best_config=describe(best))
-    contenders = {"best": best}
-    if "stacked" in gate_up_space:
-        flipped = replace(best, gate_up=replace(best.gate_up, stacked=not best.gate_up.stacked))
-        if checked(f"{label} flipped", [flipped], fmt, args, want):
-            contenders["flipped"] = flipped
-            fields["flipped_config"] = describe(flipped)
-    return fields, contenders
-
-
 def measure(fmt: str, num_tokens: int, pool) -> dict:
     args = layer_args(fmt, num_tokens)
     x, w13, _, _, topk_ids, *_ = args
@@ -246,7 +135,8 @@ def measure(fmt: str, num_tokens: int, pool) -> dict:
     want = fused_moe_torch(*args)
     default = pick_config(num_tokens * TOP_K, EXPERTS, INTER, x.dtype, fp8, x.device)
     row = {"format": fmt, "T": num_tokens, "default_config": describe(default)}
-    error = mismatch(fused_moe_triton(*args), want, fp8)
+    with nan_filled_allocations():  # as the sweep's candidates are checked
+        error = mismatch(fused_moe_triton(*args), want, fp8)
     if error is not None:
         print(f"  {fmt} T={num_tokens}: the default config's output differs: {error}", flush=True)
         row["default_mismatch"] = error
@@ -256,6 +146,8 @@ def measure(fmt: str, num_tokens: int, pool) -> dict:
         runs["vllm_ms"] = vllm
     contenders = {}
     if pool is not None:
+        from benchmarks.moe_sweep import sweep  # here: moe_sweep imports this module
+
         fields, contenders = sweep(fmt, args, want, pool)
         row.update(fields)
         runs.update({f"{name}_ms": partial(fused_moe_triton, *args, config=config)
@@ -276,8 +168,9 @@ def measure(fmt: str, num_tokens: int, pool) -> dict:
     touched = int(torch.unique(topk_ids).numel())
     tflops = 2 * num_tokens * TOP_K * 3 * HIDDEN * INTER / ms / 1e9
     gbps = touched * w13.element_size() * 3 * HIDDEN * INTER / ms / 1e6
-    row.update({"TFLOP/s": tflops, "GB/s": gbps, "peak_flop_fraction": tflops / PEAK_TFLOPS[fmt],
-                "peak_bw_fraction": gbps / PEAK_GBPS, "experts_touched": touched})  # fmt: skip
+    peak_tflops = H100_PEAK_TFLOPS["fp8" if fp8 else "bf16"]
+    row.update({"TFLOP/s": tflops, "GB/s": gbps, "peak_flop_fraction": tflops / peak_tflops,
+                "peak_bw_fraction": gbps / H100_PEAK_GBPS, "experts_touched": touched})  # fmt: skip
     return row
 
 
@@ -295,6 +188,8 @@ def print_row(row: dict) -> None:
         f"{100 * row['peak_bw_fraction']:>4.0f}% "
         + (f"{vllm_ms:>8.4f} {ratio:>9.2f}" if vllm_ms else f"{'-':>8} {'-':>9}")
     )
+    if "sweep_error" in row:
+        print(f"    sweep: {row['sweep_error']}")
     if "best_config" in row:
         print(f"    default   {row['ms']:.4f} ms  {row['default_config']}")
         for form in ("pair", "stacked"):

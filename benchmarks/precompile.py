@@ -8,8 +8,9 @@ shapes as the timed run, or the cache keys (which see the arguments' shapes and 
 differ and the tuner compiles again.
 
 A worker whose config fails, or dies, is replaced by a fresh process before it takes another:
-a kernel that faults leaves its process's CUDA context unusable, and a worker that fails
-fast drains the queue, so one bad config used to fail most of the configs after it.
+a kernel that faults leaves its process's CUDA context unusable, and a broken worker that
+kept taking configs would fail fast through the rest of the queue. Each job ends with a
+synchronize, so that its kernels' fault is its own error, not the next job's.
 
     with worker_pool() as pool:
         ok = precompile(run_one_config, configs, pool)
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
@@ -30,13 +32,26 @@ def progress(label: str, done: int, total: int, every: int = 16) -> None:
         print(f"  {label} {done}/{total}", flush=True)
 
 
+def describe_error(exc: Exception) -> str:
+    """The error's type and the first line of its message (compiler errors run to pages)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"
+
+
+def _wait_for_gpu() -> None:
+    """Waits for the kernels the job queued, where it used CUDA (they run asynchronously)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _runs(fn: Callable, item) -> str | None:
-    """None when fn(item) ran, else why not: the error's type and first line."""
+    """None when fn(item) ran to completion on the GPU too, else why not (describe_error)."""
     try:
         fn(item)
+        _wait_for_gpu()
     except Exception as exc:  # does not compile, or does not fit this GPU: the tuner skips it
-        lines = str(exc).strip().splitlines()
-        return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"
+        return describe_error(exc)
     return None
 
 
@@ -70,25 +85,33 @@ class WorkerPool:
     def run(self, fn: Callable, items: Sequence) -> Iterator[tuple[int, str | None]]:
         """(index, _runs' answer) for every item, in the order they finish."""
         todo = list(enumerate(items))[::-1]
-        while todo or self._busy:
-            while todo and self._idle:
-                process, conn = self._idle.pop()
-                index, item = todo.pop()
-                conn.send((fn, item))
-                self._busy[conn] = process, index
-            for conn in wait(list(self._busy)):
-                process, index = self._busy.pop(conn)
-                try:
-                    error = conn.recv()
-                except EOFError:  # it crashed (a segfault in a compiler, say)
-                    process.join()
-                    error = f"worker died (exit code {process.exitcode})"
-                if error is None:
-                    self._idle.append((process, conn))
-                else:
-                    self._stop(process, conn)
-                    self._idle.append(self._start())
-                yield index, error
+        try:
+            while todo or self._busy:
+                while todo and self._idle:
+                    process, conn = self._idle.pop()
+                    index, item = todo.pop()
+                    conn.send((fn, item))
+                    self._busy[conn] = process, index
+                for conn in wait(list(self._busy)):
+                    process, index = self._busy.pop(conn)
+                    try:
+                        error = conn.recv()
+                    except EOFError:  # it crashed (a segfault in a compiler, say)
+                        process.join()
+                        error = f"worker died (exit code {process.exitcode})"
+                    if error is None:
+                        self._idle.append((process, conn))
+                    else:
+                        self._stop(process, conn)
+                        self._idle.append(self._start())
+                    yield index, error
+        finally:  # the caller stopped early: answers still due would reach the next run, and
+            # nobody waits for them (a compile can take many seconds), so their workers go
+            for conn, (process, _) in self._busy.items():
+                process.kill()
+                self._stop(process, conn)
+                self._idle.append(self._start())
+            self._busy.clear()
 
     @staticmethod
     def _stop(process: multiprocessing.Process, conn: Connection) -> None:
