@@ -96,7 +96,7 @@ class WorkerPool:
                     process, index = self._busy.pop(conn)
                     try:
                         error = conn.recv()
-                    except EOFError:  # it crashed (a segfault in a compiler, say)
+                    except (EOFError, ConnectionResetError):  # it crashed (a segfault, say)
                         process.join()
                         error = f"worker died (exit code {process.exitcode})"
                     if error is None:
