@@ -16,7 +16,14 @@ from functools import partial
 import torch
 
 from atom.kernels.triton.fused_moe import GemmTiles, MoEConfig, fused_moe_triton
-from benchmarks.moe import EXPERTS, TOP_K, describe, layer_args, mismatch, nan_filled_allocations
+from benchmarks.moe_layer import (
+    EXPERTS,
+    TOP_K,
+    describe,
+    layer_args,
+    mismatch,
+    nan_filled_allocations,
+)
 from benchmarks.precompile import describe_error, precompile, progress
 from benchmarks.timing import bench
 
