@@ -7,13 +7,22 @@ import argparse
 import gzip
 import importlib.metadata
 import json
+import math
 import sys
 
 import pytest
 
 from atom.bench.engines import ENGINES, engine_env, parse_engines
 from atom.bench.profile import summarize
-from atom.bench.report import add_ratios, format_table, median_rounds, median_run, write_json
+from atom.bench.report import (
+    T95,
+    add_ratios,
+    format_table,
+    median_rounds,
+    median_run,
+    paired_ratio,
+    write_json,
+)
 from atom.bench.run import add_arguments, resolve
 from atom.bench.shapes import parse_shapes
 from atom.bench.workloads import BenchError, Workload, make_prompts, parse_workloads
@@ -158,9 +167,31 @@ def test_rounds_report_each_engines_median_round_and_keep_failures():
     assert "output_tok_s" not in atom_failed
     add_ratios(merged, "vllm")
     assert atom["ratio"] == 1.0
-    assert format_table(merged, "vllm").splitlines()[3].endswith("1.200 0.900 1.250")
+    assert atom["paired_ratio"] == paired_ratio([1.2, 0.9, 1.25]) and "paired_ratio" not in vllm
+    row = format_table(merged, "vllm").splitlines()[3]
+    assert row.endswith("1.105 (0.708-1.724)  1.200 0.900 1.250")
     even = [{"output_tok_s": x} for x in (3.0, 1.0, 4.0, 2.0)]
     assert median_run(even)["output_tok_s"] == 2.0  # the slower middle run: a real run
+
+
+def _student_t_cdf(x: float, df: int, steps: int = 20_000) -> float:
+    """P(T <= x) for x >= 0, by Simpson's rule over Student's t density."""
+    norm = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+    h = x / steps
+    weights = [1 if i in (0, steps) else 4 if i % 2 else 2 for i in range(steps + 1)]
+    area = sum(w * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i, w in enumerate(weights))
+    return 0.5 + norm * area * h / 3
+
+
+def test_paired_ratio_is_the_geometric_mean_with_a_student_t_interval():
+    assert all(abs(_student_t_cdf(t, df) - 0.975) < 2e-4 for df, t in enumerate(T95, start=1))
+    logs = [math.log(x) for x in (1.2, 0.9, 1.25)]
+    mean = sum(logs) / 3
+    half = 4.303 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2) / math.sqrt(3)
+    expected = (1.35 ** (1 / 3), math.exp(mean - half), math.exp(mean + half))
+    assert paired_ratio([1.2, 0.9, 1.25]) == pytest.approx(expected)
+    assert paired_ratio([1.1, 1.1]) == pytest.approx((1.1, 1.1, 1.1))
+    assert paired_ratio([1.1]) is None  # one round gives no interval
 
 
 @pytest.mark.parametrize("profile", [False, True])

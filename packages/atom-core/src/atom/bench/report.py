@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 COLUMNS = ["shape", "engine", "requests", "input", "output", "out tok/s", "total tok/s", "ratio"]
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; past 30, the normal's.
+T95 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
 
 
 def add_ratios(results: list[dict], baseline: str) -> None:
@@ -26,10 +34,24 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["output_tok_s"])[(len(runs) - 1) // 2]
 
 
+def paired_ratio(ratios: list[float]) -> tuple[float, float, float] | None:
+    """The geometric mean of per-round ratios and its 95% interval (t on the logs), or None
+    for fewer than two rounds. Both engines of a round run back to back, so the host's
+    drift over a long run mostly cancels within the pair."""
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    df = len(logs) - 1
+    half = (T95[df - 1] if df <= len(T95) else 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 def median_rounds(rounds: list[list[dict]], baseline: str) -> list[dict]:
     """One row per shape, engine and workload out of several rounds: the round with the
-    median output tok/s, with every round's figure and its ratio to the baseline's figure
-    of the same round. A workload that failed in any round stays a failed row."""
+    median output tok/s, with every round's figure, its ratio to the baseline's figure
+    of the same round, and those ratios' `paired_ratio` (geometric mean and 95% interval).
+    A workload that failed in any round stays a failed row."""
     runs: dict[tuple, list[dict]] = {}
     for rows in rounds:
         add_ratios(rows, baseline)
@@ -44,6 +66,8 @@ def median_rounds(rounds: list[list[dict]], baseline: str) -> list[dict]:
         row = dict(median_run(same))
         row["output_tok_s_rounds"] = [r["output_tok_s"] for r in same]
         row["ratio_rounds"] = [r["ratio"] for r in same]
+        if row["engine"] != baseline and None not in row["ratio_rounds"]:
+            row["paired_ratio"] = paired_ratio(row["ratio_rounds"])
         merged.append(row)
     return merged
 
@@ -63,7 +87,15 @@ def _row(r: dict, by_round: bool) -> list[str]:
         str(r["output_len"]),
         *numbers,
         ratio,
-    ] + ([" ".join(_ratio(x) for x in r.get("ratio_rounds", []))] if by_round else [])
+    ] + (
+        [_paired(r.get("paired_ratio")), " ".join(_ratio(x) for x in r.get("ratio_rounds", []))]
+        if by_round
+        else []
+    )
+
+
+def _paired(value: tuple[float, float, float] | None) -> str:
+    return "-" if value is None else f"{value[0]:.3f} ({value[1]:.3f}-{value[2]:.3f})"
 
 
 def _ratio(value: float | None) -> str:
@@ -72,7 +104,8 @@ def _ratio(value: float | None) -> str:
 
 def format_table(results: list[dict], baseline: str) -> str:
     by_round = any("ratio_rounds" in r for r in results)
-    header = [*COLUMNS[:-1], f"ratio vs {baseline}"] + ["ratio by round"] * by_round
+    header = [*COLUMNS[:-1], f"ratio vs {baseline}"]
+    header += ["paired ratio (95% CI)", "ratio by round"] if by_round else []
     rows = [header] + [_row(r, by_round) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
