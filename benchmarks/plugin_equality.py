@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from atom.testing import random_prompts, tiny_config, write_checkpoint
+from atom.testing import hf_greedy, random_prompts, tiny_config, write_checkpoint
 
 RESULT = "ENGINE_RESULT "
 ARCHITECTURES = ["LlamaForCausalLM", "Qwen3ForCausalLM"]
@@ -44,6 +44,26 @@ def rounds(index: int) -> list[dict]:
             ("prefix_reuse", [prefix + s for s in random_prompts([1, 7, 20], 8)]),
         )
     ]
+
+
+def token_ids(engine_rounds: dict[str, list[dict]]) -> dict[str, list[list[int]]]:
+    """An engine's result rounds as the token ids alone, by round name."""
+    return {name: [o["token_ids"] for o in outputs] for name, outputs in engine_rounds.items()}
+
+
+def hf_rounds(model: Path, job_rounds: list[dict]) -> dict[str, list[list[int]]]:
+    """HF transformers' greedy tokens (fp32, on the GPU) for each round, by round name."""
+    return {
+        r["name"]: hf_greedy(model, r["prompts"], r["max_tokens"], device="cuda")
+        for r in job_rounds
+    }
+
+
+def print_differences(name: str, tokens: dict, reference: dict) -> None:
+    for round_name, outputs in reference.items():
+        for j, (want, got) in enumerate(zip(outputs, tokens[round_name])):
+            if got != want:
+                print(f"  {round_name}[{j}] atom={got} {name}={want}", flush=True)
 
 
 def run_in_subprocess(

@@ -30,15 +30,16 @@ from pathlib import Path
 
 from plugin_equality import (
     ARCHITECTURES,
-    MAX_TOKENS,
+    hf_rounds,
     main,
+    print_differences,
     rounds,
     run_in_subprocess,
     tiny_model,
+    token_ids,
 )
 
 from atom.bench.engines import ENGINES, engine_env
-from atom.testing import hf_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "packages" / "atom-core" / "src", ROOT / "packages" / "atom-sglang" / "src"]
@@ -109,21 +110,14 @@ def equality(work: Path, summary: dict) -> bool:
         model = tiny_model(work, arch)
         job = {"model": str(model), "engine": engine_kw, "rounds": rounds(i)}
         res = {m: engine(job, m, work, f"eq-{arch}") for m in MODES}
-        hf = {
-            r["name"]: hf_greedy(model, r["prompts"], MAX_TOKENS, device="cuda")
-            for r in job["rounds"]
-        }
+        hf = hf_rounds(model, job["rounds"])
         summary[f"equality-{arch}"] = {**res, "hf": hf}
         if res["atom"].get("failed"):
             ok = False
             continue
         # SGLang's own fp32 model has no GPU kernels (sgl_kernel's rmsnorm rejects float32):
         # on GPU the reference is HF; SGLang's own tokens are compared where it runs.
-        tokens = {
-            m: {n: [o["token_ids"] for o in v] for n, v in r["rounds"].items()}
-            for m, r in res.items()
-            if not r.get("failed")
-        }
+        tokens = {m: token_ids(r["rounds"]) for m, r in res.items() if not r.get("failed")}
         same_sglang = tokens["atom"] == tokens["sglang"] if "sglang" in tokens else "n/a"
         same_hf = tokens["atom"] == hf
         ran = res["atom"]["atom_model"] and res["atom"]["atom_backend_ran"]
@@ -135,10 +129,7 @@ def equality(work: Path, summary: dict) -> bool:
             f"cuda_graphs={res['atom']['cuda_graph_captured']} cached={cached}",
             flush=True,
         )
-        for name in hf:
-            for j, (a, h) in enumerate(zip(tokens["atom"][name], hf[name])):
-                if a != h:
-                    print(f"  {name}[{j}] atom={a} hf={h}")
+        print_differences("hf", tokens["atom"], hf)
     return ok
 
 

@@ -1,6 +1,6 @@
 """vLLM with atom-vllm vs vLLM alone on a GPU: greedy equality with CUDA graphs.
 
-    python benchmarks/vllm_plugin.py equality [--out DIR]   # tiny fp32 Llama/Qwen3
+    python benchmarks/vllm_plugin.py equality [--out DIR]   # every vLLM-capable architecture
 
 Throughput is `atom bench --engines vllm,vllm-atom` (atom/bench), which also runs the
 native engine and SGLang on the same checkpoints and prompts.
@@ -18,6 +18,12 @@ transformers.
 CUDA graphs on (enforce_eager=False; no torch.compile, FULL_DECODE_ONLY graphs, so both
 sides capture their decode steps), prefix caching, chunked prefill (48-token budget);
 ATOM's kernels are Triton there (the kernel policy's choice on CUDA).
+
+The reference is vLLM's own model (plugin off) for Llama, Qwen3, Qwen3-MoE and Mixtral.
+vLLM's GPU MLA backends take fp16/bf16 only, so its own DeepSeek cannot run in fp32: as on
+CPU, DeepSeek-V2/V3 are compared with HF transformers' greedy tokens (fp32, GPU), which
+every architecture also reports. Triton dots in fp32 default to tf32; both engines get
+TRITON_F32_DEFAULT=ieee so vLLM's Triton MoE computes in fp32 as ATOM's kernels do.
 """
 
 from __future__ import annotations
@@ -25,11 +31,22 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from plugin_equality import ARCHITECTURES, main, rounds, run_in_subprocess, tiny_model
+from plugin_equality import (
+    ARCHITECTURES,
+    hf_rounds,
+    main,
+    print_differences,
+    rounds,
+    run_in_subprocess,
+    tiny_model,
+    token_ids,
+)
 
 from atom.bench.engines import ENGINES, engine_env
 
 MODES = {"atom": ENGINES["vllm-atom"], "vllm": ENGINES["vllm"]}
+VLLM_REFERENCE = [*ARCHITECTURES, "Qwen3MoeForCausalLM", "MixtralForCausalLM"]
+HF_REFERENCE = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
 
 
 # ---------------------------------------------------------------- one engine (subprocess)
@@ -68,6 +85,7 @@ def run_engine(job: dict) -> dict:
 def engine(job: dict, mode: str, work: Path, name: str) -> dict:
     env = engine_env(MODES[mode], {}, work)
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function
+    env["TRITON_F32_DEFAULT"] = "ieee"
     return run_in_subprocess(__file__, job, env, work, name, mode)[0]
 
 
@@ -90,32 +108,36 @@ def equality(work: Path, summary: dict) -> bool:
         seed=0,
     )
     ok = True
-    for i, arch in enumerate(ARCHITECTURES):
+    for i, arch in enumerate(VLLM_REFERENCE + HF_REFERENCE):
         model = tiny_model(work, arch)
         job = {"model": str(model), "engine": engine_kw, "rounds": rounds(i)}
-        res = {m: engine(job, m, work, f"eq-{arch}") for m in MODES}
-        summary[f"equality-{arch}"] = res
+        modes = MODES if arch in VLLM_REFERENCE else ["atom"]
+        res = {m: engine(job, m, work, f"eq-{arch}") for m in modes}
+        hf = hf_rounds(model, job["rounds"])
+        summary[f"equality-{arch}"] = {**res, "hf": hf}
         if any(r.get("failed") for r in res.values()):
             ok = False
             continue
-        same = res["atom"]["rounds"] == res["vllm"]["rounds"]
-        ok &= same
+        tokens = {m: token_ids(r["rounds"]) for m, r in res.items()}
+        reference_name = "vllm" if "vllm" in tokens else "hf"
+        reference = tokens.get("vllm", hf)
+        same = tokens["atom"] == reference
         probe = res["atom"]["probe"]
         backends = sorted({x["backend_name"] for w in probe for x in w["attention"]})
         calls = sum(x["calls"] or 0 for w in probe for x in w["attention"])
-        print(
-            f"RESULT equality {arch} tokens_equal={same} "
-            f"atom_model={probe[0]['atom_class']} backends={backends} atom_impl_calls={calls} "
-            f"cudagraph_mode={res['atom']['cudagraph_mode']} "
-            f"cached={[r['num_cached_tokens'] for r in res['atom']['rounds']['prefix_reuse']]}",
-            flush=True,
-        )
-        if not same:
-            for name in res["vllm"]["rounds"]:
-                a, v = res["atom"]["rounds"][name], res["vllm"]["rounds"][name]
-                for j, (x, y) in enumerate(zip(a, v)):
-                    if x != y:
-                        print(f"  {name}[{j}] atom={x['token_ids']} vllm={y['token_ids']}")
+        ok &= same and calls > 0
+        fields = {f"atom_vs_{reference_name}": same}
+        if reference_name != "hf":
+            fields["atom_vs_hf"] = tokens["atom"] == hf
+        fields |= {
+            "atom_model": probe[0]["atom_class"],
+            "backends": backends,
+            "atom_impl_calls": calls,
+            "cudagraph_mode": res["atom"]["cudagraph_mode"],
+            "cached": [r["num_cached_tokens"] for r in res["atom"]["rounds"]["prefix_reuse"]],
+        }
+        print(f"RESULT equality {arch} " + " ".join(f"{k}={v}" for k, v in fields.items()))
+        print_differences(reference_name, tokens["atom"], reference)
     return ok
 
 
