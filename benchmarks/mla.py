@@ -20,7 +20,7 @@ import triton
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels.triton import mla
-from benchmarks.kernels import report
+from benchmarks.kernel_timings import report
 from benchmarks.timing import H100_PEAK_GBPS, H100_PEAK_TFLOPS, bench
 
 HEADS, LATENT, ROPE, NOPE, VALUE = 128, 512, 64, 128, 128

@@ -66,6 +66,12 @@ def print_differences(name: str, tokens: dict, reference: dict) -> None:
                 print(f"  {round_name}[{j}] atom={got} {name}={want}", flush=True)
 
 
+def check_architectures(covered: list[str], only: list[str] | None) -> None:
+    unknown = sorted(set(only or ()) - set(covered))
+    if unknown:
+        raise SystemExit(f"--arch {', '.join(unknown)}: this script covers {', '.join(covered)}")
+
+
 def run_in_subprocess(
     script: str, job: dict, env: dict[str, str], work: Path, name: str, mode: str
 ) -> tuple[dict, str]:
@@ -90,7 +96,7 @@ def run_in_subprocess(
 def main(
     name: str,
     run_engine: Callable[[dict], dict],
-    equality: Callable[[Path, dict], bool],
+    equality: Callable[[Path, dict, list[str] | None], bool],
     default_work: str,
 ) -> None:
     parser = argparse.ArgumentParser()
@@ -98,6 +104,9 @@ def main(
     parser.add_argument("job", nargs="?")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--work", default=default_work)
+    parser.add_argument(
+        "--arch", action="append", help="only this architecture (repeatable; default: all)"
+    )
     args = parser.parse_args()
     if args.what == "engine":
         print(RESULT + json.dumps(run_engine(json.loads(Path(args.job).read_text()))), flush=True)
@@ -108,7 +117,7 @@ def main(
     summary: dict = {}
     ok = False
     try:
-        ok = equality(work, summary)
+        ok = equality(work, summary, args.arch)
     finally:
         (out_dir / f"{name}_equality.json").write_text(json.dumps(summary))
         with tarfile.open(out_dir / f"{name}_equality_logs.tar.gz", "w:gz") as tar:

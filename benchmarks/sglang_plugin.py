@@ -1,7 +1,7 @@
 """SGLang with atom-sglang vs SGLang alone on a GPU: greedy equality with CUDA graphs.
 
     export PYTHONPATH=/tmp/sgsite:packages/atom-core/src   # SGLang staged (shared/GPU.md)
-    python benchmarks/sglang_plugin.py equality [--out DIR]   # tiny fp32 Llama/Qwen3
+    python benchmarks/sglang_plugin.py equality [--out DIR] [--arch NAME ...]   # Llama, Qwen3
 
 Throughput is `atom bench --engines sglang,sglang-atom --sglang-path /tmp/sgsite`.
 
@@ -30,6 +30,7 @@ from pathlib import Path
 
 from plugin_equality import (
     ARCHITECTURES,
+    check_architectures,
     hf_rounds,
     main,
     print_differences,
@@ -92,7 +93,7 @@ def engine(job: dict, mode: str, work: Path, name: str) -> dict:
 # ---------------------------------------------------------------- equality
 
 
-def equality(work: Path, summary: dict) -> bool:
+def equality(work: Path, summary: dict, only: list[str] | None) -> bool:
     engine_kw = dict(
         dtype="float32",
         skip_tokenizer_init=True,
@@ -105,8 +106,11 @@ def equality(work: Path, summary: dict) -> bool:
         random_seed=0,
         log_level="info",
     )
+    check_architectures(ARCHITECTURES, only)
     ok = True
     for i, arch in enumerate(ARCHITECTURES):
+        if only and arch not in only:
+            continue
         model = tiny_model(work, arch)
         job = {"model": str(model), "engine": engine_kw, "rounds": rounds(i)}
         res = {m: engine(job, m, work, f"eq-{arch}") for m in MODES}

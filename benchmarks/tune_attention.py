@@ -21,7 +21,7 @@ import triton
 
 from atom.kernels.triton import paged_attention as pa
 from atom.kernels.triton import prefill_attention as prefill
-from benchmarks.kernels import paged_batch
+from benchmarks.kernel_timings import paged_batch
 from benchmarks.precompile import precompile, worker_pool
 
 SCALE = 128**-0.5

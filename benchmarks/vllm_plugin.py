@@ -1,6 +1,6 @@
 """vLLM with atom-vllm vs vLLM alone on a GPU: greedy equality with CUDA graphs.
 
-    python benchmarks/vllm_plugin.py equality [--out DIR]   # every vLLM-capable architecture
+    python benchmarks/vllm_plugin.py equality [--out DIR] [--arch NAME ...]   # default: all
 
 Throughput is `atom bench --engines vllm,vllm-atom` (atom/bench), which also runs the
 native engine and SGLang on the same checkpoints and prompts.
@@ -33,6 +33,7 @@ from pathlib import Path
 
 from plugin_equality import (
     ARCHITECTURES,
+    check_architectures,
     hf_rounds,
     main,
     print_differences,
@@ -92,7 +93,7 @@ def engine(job: dict, mode: str, work: Path, name: str) -> dict:
 # ---------------------------------------------------------------- equality
 
 
-def equality(work: Path, summary: dict) -> bool:
+def equality(work: Path, summary: dict, only: list[str] | None) -> bool:
     engine_kw = dict(
         skip_tokenizer_init=True,
         dtype="float32",
@@ -107,8 +108,11 @@ def equality(work: Path, summary: dict) -> bool:
         max_num_seqs=8,
         seed=0,
     )
+    check_architectures(VLLM_REFERENCE + HF_REFERENCE, only)
     ok = True
     for i, arch in enumerate(VLLM_REFERENCE + HF_REFERENCE):
+        if only and arch not in only:
+            continue
         model = tiny_model(work, arch)
         job = {"model": str(model), "engine": engine_kw, "rounds": rounds(i)}
         modes = MODES if arch in VLLM_REFERENCE else ["atom"]

@@ -2,7 +2,7 @@
 
 Shapes follow shared/anchors (bf16, paged KV with 16-token blocks, 32 q / 8 kv heads,
 head dim 128), so the figures sit next to vLLM's. Usage:
-    PYTHONPATH=packages/atom-core/src:. python benchmarks/kernels.py [--json out.json]
+    PYTHONPATH=packages/atom-core/src:. python benchmarks/kernel_timings.py [--json out.json]
 """
 
 from __future__ import annotations
