@@ -27,20 +27,24 @@ from atom.kernels.triton.rotary import apply_rotary_emb_triton
 from benchmarks.timing import H100_PEAK_GBPS, H100_PEAK_TFLOPS, bench, interleaved, median_ratio
 
 
+def shuffled_block_tables(seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Each sequence's block table, over a random order of all the pages (as a cache that
+    has served a while hands them out), so no kernel gains from neighbouring pages."""
+    pages = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(pages), dtype=torch.int32).tolist()
+    starts = [sum(pages[:i]) for i in range(len(pages))]
+    return [order[start : start + n] for start, n in zip(starts, pages)]
+
+
 def paged_batch(q_lens, ctx_lens, heads=32, kv_heads=8, head_dim=128, block_size=16):
     """q, the key/value caches (pages in random order), the metadata, and the new tokens'
     dense key/value [T, Hkv, D]: the pages' contents at their positions, as a host has
     them after writing the cache."""
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    pages = [-(-s // block_size) for s in seq_lens]
-    perm = torch.randperm(sum(pages), dtype=torch.int32).tolist()
-    tables, start = [], 0
-    for n in pages:
-        tables.append(perm[start : start + n])
-        start += n
+    tables = shuffled_block_tables(seq_lens, block_size)
     slots = [-1] * sum(q_lens)  # K/V of new tokens already sit in the cache
     md = AttentionMetadata.build(q_lens, seq_lens, tables, slots, device="cuda")
-    shape = (sum(pages), block_size, kv_heads, head_dim)
+    shape = (sum(map(len, tables)), block_size, kv_heads, head_dim)
     k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=torch.bfloat16)

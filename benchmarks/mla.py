@@ -20,7 +20,7 @@ import triton
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels.triton import mla
-from benchmarks.kernel_timings import report
+from benchmarks.kernel_timings import report, shuffled_block_tables
 from benchmarks.timing import H100_PEAK_GBPS, H100_PEAK_TFLOPS, bench
 
 HEADS, LATENT, ROPE, NOPE, VALUE = 128, 512, 64, 128, 128
@@ -32,15 +32,12 @@ PREFILL_SHAPES = [(1, 0, 1024), (1, 0, 4096), (1, 0, 8192), (4, 0, 4096), (1, 76
 
 def latent_batch(query_lens, seq_lens, block_size):
     """Metadata over shuffled pages and a random bf16 latent cache holding every row."""
-    pages = [-(-s // block_size) for s in seq_lens]
-    perm = torch.randperm(sum(pages), dtype=torch.int32).tolist()
-    tables, start = [], 0
-    for n in pages:
-        tables.append(perm[start : start + n])
-        start += n
+    tables = shuffled_block_tables(seq_lens, block_size)
     slots = [-1] * sum(query_lens)  # the new tokens' latents already sit in the cache
     md = AttentionMetadata.build(query_lens, seq_lens, tables, slots, device="cuda")
-    cache = torch.randn(sum(pages), block_size, LATENT + ROPE, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(
+        sum(map(len, tables)), block_size, LATENT + ROPE, device="cuda", dtype=torch.bfloat16
+    )
     return md, cache
 
 
