@@ -66,10 +66,13 @@ def print_differences(name: str, tokens: dict, reference: dict) -> None:
                 print(f"  {round_name}[{j}] atom={got} {name}={want}", flush=True)
 
 
-def check_architectures(covered: list[str], only: list[str] | None) -> None:
+def selected(covered: list[str], only: list[str] | None) -> list[tuple[int, str]]:
+    """(index, architecture) for each of `covered` that --arch asks for (all without it);
+    the index, which seeds the prompts, is the one a full run gives it."""
     unknown = sorted(set(only or ()) - set(covered))
     if unknown:
         raise SystemExit(f"--arch {', '.join(unknown)}: this script covers {', '.join(covered)}")
+    return [(i, arch) for i, arch in enumerate(covered) if not only or arch in only]
 
 
 def run_in_subprocess(

@@ -30,12 +30,12 @@ from pathlib import Path
 
 from plugin_equality import (
     ARCHITECTURES,
-    check_architectures,
     hf_rounds,
     main,
     print_differences,
     rounds,
     run_in_subprocess,
+    selected,
     tiny_model,
     token_ids,
 )
@@ -106,11 +106,8 @@ def equality(work: Path, summary: dict, only: list[str] | None) -> bool:
         random_seed=0,
         log_level="info",
     )
-    check_architectures(ARCHITECTURES, only)
     ok = True
-    for i, arch in enumerate(ARCHITECTURES):
-        if only and arch not in only:
-            continue
+    for i, arch in selected(ARCHITECTURES, only):
         model = tiny_model(work, arch)
         job = {"model": str(model), "engine": engine_kw, "rounds": rounds(i)}
         res = {m: engine(job, m, work, f"eq-{arch}") for m in MODES}

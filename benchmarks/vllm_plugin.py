@@ -33,12 +33,12 @@ from pathlib import Path
 
 from plugin_equality import (
     ARCHITECTURES,
-    check_architectures,
     hf_rounds,
     main,
     print_differences,
     rounds,
     run_in_subprocess,
+    selected,
     tiny_model,
     token_ids,
 )
@@ -108,11 +108,8 @@ def equality(work: Path, summary: dict, only: list[str] | None) -> bool:
         max_num_seqs=8,
         seed=0,
     )
-    check_architectures(VLLM_REFERENCE + HF_REFERENCE, only)
     ok = True
-    for i, arch in enumerate(VLLM_REFERENCE + HF_REFERENCE):
-        if only and arch not in only:
-            continue
+    for i, arch in selected(VLLM_REFERENCE + HF_REFERENCE, only):
         model = tiny_model(work, arch)
         job = {"model": str(model), "engine": engine_kw, "rounds": rounds(i)}
         modes = MODES if arch in VLLM_REFERENCE else ["atom"]
@@ -123,9 +120,12 @@ def equality(work: Path, summary: dict, only: list[str] | None) -> bool:
             ok = False
             continue
         tokens = {m: token_ids(r["rounds"]) for m, r in res.items()}
-        reference_name = "vllm" if "vllm" in tokens else "hf"
-        reference = tokens.get("vllm", hf)
-        same = tokens["atom"] == reference
+        if "vllm" in res:  # tokens and prefix-cache hits, round by round
+            reference_name, reference = "vllm", tokens["vllm"]
+            same = res["atom"]["rounds"] == res["vllm"]["rounds"]
+        else:
+            reference_name, reference = "hf", hf
+            same = tokens["atom"] == hf
         probe = res["atom"]["probe"]
         backends = sorted({x["backend_name"] for w in probe for x in w["attention"]})
         calls = sum(x["calls"] or 0 for w in probe for x in w["attention"])
