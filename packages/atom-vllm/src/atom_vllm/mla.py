@@ -14,6 +14,10 @@ vLLM's `AttentionLayerBase` kind that
 * names `AtomMLABackend`, whose builder is the MHA builder (same schema, decodes first);
 * runs ATOM's own `NativeMLAImpl` (`layer.impl`): latent cache write, absorbed decode,
   up-projected prefill, with the step's `atom.forward_context.AttentionMetadata`.
+
+The model wrapper splits kv_b_proj into W_UK / W_UV after loading
+(`AtomForCausalLM._process_atom_weights`): vLLM 0.26's loader calls no post-load hook
+on a layer outside its own attention classes.
 """
 
 from __future__ import annotations
@@ -118,11 +122,6 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
             dtype=self.kv_cache_torch_dtype,
             cache_dtype_str=self.kv_cache_dtype,
         )
-
-    def process_weights_after_loading(self, act_dtype: torch.dtype | None = None) -> None:
-        # vLLM calls this on attention layers after the model's own post-load hooks, so
-        # kv_b_proj is in its final format when ATOM splits it into W_UK / W_UV.
-        self.impl.process_weights_after_loading()
 
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
