@@ -111,10 +111,14 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
+def process_weights_after_loading(model: nn.Module, skip: Iterable[nn.Module] = ()) -> None:
+    """Runs each submodule's post-load hook in module order, so a layer built after the
+    layers it reads (an MLA impl after its kv_b_proj) sees their final weights. Modules in
+    `skip` are a host's to process."""
+    skipped = {id(m) for m in skip}
     for module in model.modules():
         hook = getattr(module, "process_weights_after_loading", None)
-        if hook is not None and module is not model:
+        if hook is not None and module is not model and id(module) not in skipped:
             hook()
 
 

@@ -15,9 +15,9 @@ vLLM's `AttentionLayerBase` kind that
 * runs ATOM's own `NativeMLAImpl` (`layer.impl`): latent cache write, absorbed decode,
   up-projected prefill, with the step's `atom.forward_context.AttentionMetadata`.
 
-The model wrapper splits kv_b_proj into W_UK / W_UV after loading
-(`AtomForCausalLM._process_atom_weights`): vLLM 0.26's loader calls no post-load hook
-on a layer outside its own attention classes.
+The impl's W_UK / W_UV split runs with ATOM's other post-load hooks, from the model
+wrapper (`AtomForCausalLM._process_atom_weights`): vLLM 0.26's loader calls no post-load
+hook on a layer outside its own attention classes.
 """
 
 from __future__ import annotations

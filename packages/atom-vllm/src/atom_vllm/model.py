@@ -25,17 +25,18 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
 from atom.engine.cuda_graphs import graph_blockers
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
+from atom.loader import process_weights_after_loading
 from atom.registry import UnsupportedArchitectureError
 from atom_vllm.attention import set_model_graph_blockers
 from atom_vllm.attention_layer import vllm_attention_factory
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
 from atom_vllm.distributed import install_vllm_tp_group
-from atom_vllm.mla import VllmMLAAttention
 
 logger = init_logger("vllm.atom_vllm.model")
 
@@ -146,25 +147,16 @@ class AtomForCausalLM(nn.Module):
         return {f"{ATOM_MODEL_ATTR}.{name}" for name in loaded}
 
     def _process_atom_weights(self) -> None:
-        """ATOM's post-load hooks (e.g. FP8 re-layout), then the MLA layers' split.
-
-        vLLM's own `Attention` layers are vLLM's to process (with its `act_dtype`). The
-        MLA layers are ATOM's: each splits kv_b_proj into W_UK / W_UV, so it runs after
-        every other hook has put kv_b_proj in its final format. vLLM 0.26's loader calls
-        only its `Attention` / `MLAAttention` classes (0.27: any `AttentionLayerBase`),
-        so the wrapper runs the split itself, the same on both.
+        """ATOM's post-load hooks (e.g. FP8 re-layout, the MLA layers' W_UK / W_UV split),
+        in ATOM's module order, except inside vLLM's own `Attention` layers: vLLM processes
+        those itself, with its `act_dtype`. The MLA layers are ATOM's, so ATOM runs their
+        hooks: vLLM 0.26's loader calls only its own attention classes (0.27: any
+        `AttentionLayerBase`).
         """
-        attention = [m for m in self.model.modules() if isinstance(m, AttentionLayerBase)]
-        skip = {id(m) for layer in attention for m in layer.modules()}
-        for module in self.model.modules():
-            if module is self.model or id(module) in skip:
-                continue
-            hook = getattr(module, "process_weights_after_loading", None)
-            if hook is not None:
-                hook()
-        for layer in attention:
-            if isinstance(layer, VllmMLAAttention):
-                layer.impl.process_weights_after_loading()
+        vllm_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        process_weights_after_loading(
+            self.model, skip=[m for layer in vllm_layers for m in layer.modules()]
+        )
 
 
 _classes: dict[str, type[AtomForCausalLM]] = {}
