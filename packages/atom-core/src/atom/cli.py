@@ -65,8 +65,23 @@ def _generate(args: argparse.Namespace) -> None:
         print(completion.text if llm.tokenizer is not None else completion.token_ids)
 
 
+# Top-level modules that only the `server` extra brings (with their own dependencies).
+SERVER_EXTRA_MODULES = frozenset({"fastapi", "starlette", "pydantic", "uvicorn", "jinja2"})
+SERVER_EXTRA_HINT = 'pip install "atom-core[server]"'
+
+
 def _serve(args: argparse.Namespace) -> None:
-    from atom.server import run_server
+    try:
+        import uvicorn  # noqa: F401  (run_server imports it later; check before loading a model)
+
+        from atom.server import run_server
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in SERVER_EXTRA_MODULES:
+            raise
+        raise SystemExit(
+            f"atom serve: the HTTP server needs the `server` extra ({exc.name} is missing): "
+            f"{SERVER_EXTRA_HINT}"
+        ) from None
 
     kwargs = engine_kwargs(args)
     run_server(

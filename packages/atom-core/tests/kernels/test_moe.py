@@ -106,48 +106,68 @@ def test_grouped_topk_matches_naive_loop(scoring, groups, topk_group, with_bias,
     )
 
 
+def hf_moe_with_routing(moe: torch.nn.Module, x: torch.Tensor, weights, ids) -> torch.Tensor:
+    """What an HF DeepSeek MoE block outputs if tokens go to experts `ids` with `weights`:
+    its own routed experts (3D `gate_up_proj`/`down_proj`, SiLU) plus its shared experts."""
+    assert moe.config.hidden_act == "silu"
+    flat = x.reshape(-1, x.shape[-1])
+    routed = naive_moe(flat, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids)
+    return (routed + moe.shared_experts(flat)).view_as(x)
+
+
+def randomize_hf_moe(moe: torch.nn.Module) -> None:
+    # Experts are allocated with torch.empty and some HF versions zero the router.
+    torch.nn.init.normal_(moe.gate.weight)
+    torch.nn.init.normal_(moe.experts.gate_up_proj, std=0.3)
+    torch.nn.init.normal_(moe.experts.down_proj, std=0.3)
+
+
+@torch.no_grad()
 def test_grouped_topk_matches_hf_deepseek_v3():
+    """ATOM's routing, fed through HF's own experts, reproduces HF's whole DeepseekV3MoE block
+    (a wrong expert or weight changes the output far beyond the tolerance)."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
+    torch.manual_seed(0)
     config = DeepseekV3Config(
         hidden_size=32, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
     )  # fmt: skip
     moe = DeepseekV3MoE(config)
-    torch.nn.init.normal_(moe.gate.weight)
+    randomize_hf_moe(moe)
     torch.nn.init.normal_(moe.gate.e_score_correction_bias, std=0.5)
-    logits = torch.randn(13, 16)
-    hf_ids, hf_weights = moe.route_tokens_to_experts(logits)
+    x = torch.randn(13, 32)
+    logits = F.linear(x, moe.gate.weight.float())
     weights, ids = grouped_topk(
         logits, 4, 4, 2, True, "sigmoid", moe.gate.e_score_correction_bias, 2.5
     )
-    order, hf_order = ids.long().sort(-1), hf_ids.sort(-1)
-    assert torch.equal(order.values, hf_order.values)
     torch.testing.assert_close(
-        weights.gather(1, order.indices), hf_weights.gather(1, hf_order.indices)
+        moe(x), hf_moe_with_routing(moe, x, weights, ids), atol=1e-4, rtol=1e-4
     )
 
 
+@torch.no_grad()
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
 def test_grouped_topk_matches_hf_deepseek_v2(method):
+    """As above for DeepseekV2Moe (softmax scores, V2's greedy and group-limited routing)."""
     from transformers import DeepseekV2Config
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 
+    torch.manual_seed(0)
     config = DeepseekV2Config(
         hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
         n_group=4, topk_group=2, topk_method=method, routed_scaling_factor=1.5, n_shared_experts=1,
     )  # fmt: skip
     moe = DeepseekV2Moe(config)
     moe.num_experts = 8  # HF 5.12's group_limited_greedy path reads this unset attribute
-    logits = torch.randn(9, 8)
-    hf_ids, hf_weights = moe.route_tokens_to_experts(logits[None])
+    randomize_hf_moe(moe)
+    x = torch.randn(1, 9, 32)  # HF 5.12's V2 router wants [batch, seq, hidden]
+    logits = F.linear(x[0], moe.gate.weight.float())
     groups = 4 if method == "group_limited_greedy" else None
     weights, ids = grouped_topk(logits, 3, groups, 2, False, "softmax", None, 1.5)
-    order, hf_order = ids.long().sort(-1), hf_ids.sort(-1)
-    assert torch.equal(order.values, hf_order.values)
     torch.testing.assert_close(
-        weights.gather(1, order.indices), hf_weights.gather(1, hf_order.indices).float()
+        moe(x), hf_moe_with_routing(moe, x, weights, ids), atol=1e-4, rtol=1e-4
     )
 
 

