@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("sglang") is None:  # these tests need SGLang 0.5.17
+if importlib.util.find_spec("sglang") is None:  # these tests need SGLang 0.5.21
     collect_ignore_glob = ["test_*.py"]
 else:
     import sglang_cpu_support

@@ -1,4 +1,4 @@
-"""SGLang 0.5.17's CPU engine with atom-sglang, end to end, on tiny random fp32 checkpoints.
+"""SGLang 0.5.21's CPU engine with atom-sglang, end to end, on tiny random fp32 checkpoints.
 
 One engine per configuration, each serving every check of that configuration (a start
 costs 20-45 s here); all engines run in one module fixture, in two processes (plugin on /
@@ -8,7 +8,9 @@ the same greedy tokens as HF transformers and as SGLang's own implementation (De
 HF only, see HF_ONLY), for a
 mixed-length batch and for requests reusing a cached prefix (chunked prefill: 64
 tokens). Also: the external-model-package route, the "atom" backend under SGLang's own
-Qwen3, `ATOM_DISABLE_SGLANG_PLUGIN=1`, and an architecture ATOM does not serve.
+Qwen3, `ATOM_DISABLE_SGLANG_PLUGIN=1`, an architecture ATOM does not serve, and MLP
+sizes that SGLang's CPU loader pads (a Qwen3-MoE with moe_intermediate_size 48, a Qwen3
+with intermediate_size 200): SGLang + ATOM equals HF transformers there too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 from sglang_harness import ENGINE, MAX_TOKENS, PREFIX_LEN, Run, result_of, rounds, run_jobs
 
 from atom.registry import get_entry
-from atom.testing import hf_greedy
+from atom.testing import hf_greedy, tiny_config, write_checkpoint
 from atom_sglang import served_architectures
 
 pytestmark = pytest.mark.slow
@@ -39,8 +41,8 @@ REFERENCE = {
     "Qwen3ForCausalLM": (ATOM, {"ATOM_SGLANG_BACKEND_ONLY": "1"}),
     "Qwen3MoeForCausalLM": (STOCK, PLUGIN_OFF),
 }
-# SGLang 0.5.17's own DeepSeek does not start on its CPU engine with these checkpoints, so
-# ATOM's DeepSeek is compared with HF transformers only:
+# SGLang's own DeepSeek does not start on its CPU engine with these checkpoints (both
+# reasons still in 0.5.21's source), so ATOM's DeepSeek is compared with HF only:
 HF_ONLY = {
     # get_rope_cpu() asserts rope scaling: its CPU rotary path only has DeepSeek-YaRN.
     "DeepseekV2ForCausalLM": "SGLang's CPU rope requires rope_scaling",
@@ -50,27 +52,46 @@ HF_ONLY = {
 }
 EXTERNAL = {**PLUGIN_OFF, "SGLANG_EXTERNAL_MODEL_PACKAGE": "atom_sglang.models"}
 UNSUPPORTED = "GPT2LMHeadModel"
+# MLP sizes that are no multiple of 32 (tp=1): SGLang's CPU loader pads them to 64 / 224
+# (`adjust_config_with_unaligned_cpu_tp`), ATOM's model must keep the checkpoint's.
+UNALIGNED = {
+    "moe48": ("Qwen3MoeForCausalLM", {"moe_intermediate_size": 48}),
+    "dense200": ("Qwen3ForCausalLM", {"intermediate_size": 200}),
+}
 
 
 def seed_of(arch: str) -> int:
+    if arch in UNALIGNED:
+        return 70 + list(UNALIGNED).index(arch)
     return 10 * (ARCHS.index(arch) + 1) if arch in ARCHS else 99
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoints, tmp_path_factory):
+def unaligned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("unaligned")
+    return {
+        name: write_checkpoint(tiny_config(arch, **sizes), root / name, init_std=0.1)
+        for name, (arch, sizes) in UNALIGNED.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, unaligned, tmp_path_factory):
     def run(name: str, arch: str, engine: dict, env: dict | None = None) -> Run:
-        return Run(name, checkpoints(arch), engine, rounds(seed_of(arch)), env or {})
+        model = unaligned[arch] if arch in UNALIGNED else checkpoints(arch)
+        return Run(name, model, engine, rounds(seed_of(arch)), env or {})
 
     def reference(arch: str) -> Run:
         engine, env = REFERENCE[arch]
         return run(f"{arch}-sglang", arch, engine, env)
 
     llama, qwen3, moe, v2, v3 = ARCHS
-    # Two processes (one per core), five engines each.
+    moe48, dense200 = UNALIGNED
+    # Two processes (one per core), six engines each.
     jobs = [
-        [run(f"{a}-atom", a, ATOM) for a in (llama, moe, v3)]
+        [run(f"{a}-atom", a, ATOM) for a in (llama, moe, v3, moe48)]
         + [reference(qwen3), run("external", qwen3, STOCK, EXTERNAL)],
-        [run(f"{a}-atom", a, ATOM) for a in (qwen3, v2)]
+        [run(f"{a}-atom", a, ATOM) for a in (qwen3, v2, dense200)]
         + [reference(llama), reference(moe), run("unsupported", UNSUPPORTED, STOCK)],
     ]
     return run_jobs(jobs, tmp_path_factory.mktemp("sglang-jobs"))
@@ -81,11 +102,9 @@ def assert_same(got, want, what: str) -> None:
         assert got[name] == prompts, f"{what}, round {name!r}: {got[name]} != {prompts}"
 
 
-def hf_reference(checkpoints, arch: str) -> dict[str, list[list[int]]]:
-    return {
-        s["name"]: hf_greedy(checkpoints(arch), s["prompts"], MAX_TOKENS)
-        for s in rounds(seed_of(arch))
-    }
+def hf_reference(checkpoints, arch: str, model=None) -> dict[str, list[list[int]]]:
+    model = checkpoints(arch) if model is None else model
+    return {s["name"]: hf_greedy(model, s["prompts"], MAX_TOKENS) for s in rounds(seed_of(arch))}
 
 
 def assert_prefix_cached(result) -> None:
@@ -115,6 +134,18 @@ def test_atom_backend_under_sglang_own_model(runs):
     assert "built for SGLang" not in result.log  # SGLang's own Qwen3
     assert "type=Qwen3ForCausalLM" in result.log
     assert_prefix_cached(result)
+
+
+@pytest.mark.parametrize("name", list(UNALIGNED))
+def test_atom_equals_hf_with_mlp_sizes_sglang_pads(runs, checkpoints, unaligned, name):
+    arch, sizes = UNALIGNED[name]
+    atom = result_of(runs, f"{name}-atom")
+    want = hf_reference(checkpoints, name, unaligned[name])
+    assert_same(atom.tokens(), want, f"SGLang+ATOM {arch} {sizes} vs HF")
+    assert_prefix_cached(atom)
+    assert f"ATOM builds the checkpoint's sizes SGLang padded: {sizes}" in atom.log
+    assert f"ATOM {arch} ({get_entry(arch).class_path}) built for SGLang" in atom.log
+    assert "ATOM attention backend: first attention call" in atom.log
 
 
 def test_disable_env_gives_plain_sglang(runs):

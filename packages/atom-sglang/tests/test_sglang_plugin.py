@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +15,10 @@ from sglang.srt.models.registry import ModelRegistry
 from sglang.srt.plugins.hook_registry import HookRegistry
 
 import atom_sglang
+from atom.hosts.plugin import UnsupportedHostVersion
 from atom.kernels.paged_attention import attention_mask, dense_attention
 from atom.registry import supported_architectures
+from atom_sglang import guard
 from atom_sglang import model as model_module
 from atom_sglang.adapters import adapter_for
 from atom_sglang.attention_layer import layer_index
@@ -26,9 +29,15 @@ from atom_sglang.patches import SUPPORT_TRITON
 @pytest.fixture
 def fresh_plugin(monkeypatch):
     """register() as in a new process; SGLang's registries restored afterwards."""
+    from sglang.srt.arg_groups import resolution_hooks
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
     models = dict(ModelRegistry.models)
     backends = dict(ATTENTION_BACKENDS)
+    choices = list(ATTENTION_BACKEND_CHOICES)
+    steps = {name: list(hooks) for name, hooks in resolution_hooks._HOOKS.items()}
     monkeypatch.setattr(atom_sglang, "_registered", None)
+    monkeypatch.setattr(guard, "_installed", False)
     for name in ("ATOM_DISABLE_SGLANG_PLUGIN", "ATOM_SGLANG_BACKEND_ONLY"):
         monkeypatch.delenv(name, raising=False)
     yield
@@ -36,7 +45,33 @@ def fresh_plugin(monkeypatch):
     ModelRegistry.models.update(models)
     ATTENTION_BACKENDS.clear()
     ATTENTION_BACKENDS.update(backends)
+    ATTENTION_BACKEND_CHOICES[:] = choices
+    resolution_hooks._HOOKS.clear()
+    resolution_hooks._HOOKS.update(steps)
     HookRegistry._hooks.pop(SUPPORT_TRITON, None)
+
+
+@pytest.fixture
+def root_logging():
+    """SGLang's launch paths reconfigure the root logger (basicConfig(force=True))."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+UNSUPPORTED_VERSION = "0.5.17"
+REFUSAL = (
+    r"SGLang 0\.5\.17 is outside the range atom-sglang was tested on "
+    r"\(SGLang >=0\.5\.21,<0\.5\.22\)"
+)
+
+
+@pytest.fixture
+def unsupported_sglang(fresh_plugin, monkeypatch):
+    """The installed SGLang as register() sees it: 0.5.17, below the tested range."""
+    monkeypatch.setattr(atom_sglang, "sglang_version", lambda: UNSUPPORTED_VERSION)
 
 
 def logged(caplog) -> str:
@@ -101,6 +136,104 @@ def test_register_logs_to_stderr_before_logging_is_configured(fresh_plugin, monk
     monkeypatch.setattr(logging.getLogger(), "handlers", [])
     atom_sglang.register()
     assert "serves LlamaForCausalLM" in capsys.readouterr().err
+
+
+def test_register_logs_to_stderr_after_sglang_import_time_basic_config(
+    fresh_plugin, monkeypatch, capsys
+):
+    """SGLang's modules run `logging.basicConfig()` at import (a root handler, the root
+    left at its default WARNING), before its schedulers run the plugins: an INFO line
+    through logging would vanish there, so it goes to stderr."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [logging.StreamHandler()])
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    atom_sglang.register()
+    assert "ATOM 0.1.0 serves LlamaForCausalLM" in capsys.readouterr().err
+
+
+def test_register_checks_the_installed_sglang_version():
+    from importlib.metadata import version
+
+    assert atom_sglang.sglang_version() == version("sglang")
+    assert atom_sglang.SUPPORTED.admits(atom_sglang.sglang_version())
+    assert str(atom_sglang.SUPPORTED) == ">=0.5.21,<0.5.22"
+
+
+def test_explicit_request_on_supported_version_registers(fresh_plugin, monkeypatch):
+    monkeypatch.setenv("ATOM_DISABLE_SGLANG_PLUGIN", "0")
+    atom_sglang.register()
+    assert "atom" in ATTENTION_BACKENDS and "Qwen3ForCausalLM" in atom_sglang._registered
+
+
+def test_unsupported_version_registers_nothing(unsupported_sglang, checkpoints, caplog):
+    """Outside the tested range, unrequested: one log line, and SGLang as it was."""
+    from sglang.srt.server_args import ServerArgs
+
+    models = dict(ModelRegistry.models)
+    ATTENTION_BACKENDS.pop("atom", None)
+    with caplog.at_level(logging.INFO, logger="sglang.atom_sglang"):
+        atom_sglang.register()
+        atom_sglang.register()
+    assert dict(ModelRegistry.models) == models and "atom" not in ATTENTION_BACKENDS
+    assert not HookRegistry._hooks.get(SUPPORT_TRITON)
+    (line,) = [r for r in caplog.records if r.name.startswith("sglang.atom_sglang")]
+    assert line.levelno == logging.WARNING
+    assert re.fullmatch(REFUSAL + ": ATOM inactive, the host runs its own models", line.message)
+    # SGLang resolves a launch with its own backend as before.
+    ServerArgs(
+        model_path=str(checkpoints("Qwen3ForCausalLM")), device="cpu", skip_tokenizer_init=True
+    ).resolve_once()
+
+
+def test_unsupported_version_refuses_the_atom_backend(
+    unsupported_sglang, checkpoints, root_logging
+):
+    """`attention_backend="atom"` on an unsupported SGLang: SGLang's own argument
+    resolution raises UnsupportedHostVersion, for the Engine's keyword and the CLI flag."""
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    model = str(checkpoints("Qwen3ForCausalLM"))
+    atom_sglang.register()  # registers no backend: the request shows only at launch
+    assert "atom" not in ATTENTION_BACKENDS
+    for field in guard.ATTENTION_FIELDS:
+        args = ServerArgs(
+            model_path=model, device="cpu", skip_tokenizer_init=True, **{field: "atom"}
+        )
+        with pytest.raises(UnsupportedHostVersion, match=REFUSAL + ": ATOM was requested"):
+            args.resolve_once()
+    cli = prepare_server_args(
+        ["--model-path", model, "--device", "cpu", "--attention-backend", "atom"]
+    )  # argparse accepts the name, so the refusal below is what the user reads
+    with pytest.raises(UnsupportedHostVersion, match=REFUSAL):
+        cli.resolve_once()
+
+
+def test_unsupported_version_refuses_the_env_request_at_engine_start(
+    unsupported_sglang, monkeypatch, checkpoints, caplog, root_logging
+):
+    """ATOM_DISABLE_SGLANG_PLUGIN=0 on an unsupported SGLang: register() raises; SGLang's
+    plugin loader logs and swallows that, and the real `sglang.Engine(...)` raises it
+    while resolving its arguments, before it starts a process."""
+    import sglang
+    import sglang.srt.plugins as sglang_plugins
+
+    monkeypatch.setenv("ATOM_DISABLE_SGLANG_PLUGIN", "0")
+    with pytest.raises(UnsupportedHostVersion, match=REFUSAL + ": ATOM was requested"):
+        atom_sglang.register()
+    monkeypatch.setattr(atom_sglang, "_registered", None)
+    monkeypatch.setattr(sglang_plugins, "_plugins_loaded", False)
+    with caplog.at_level(logging.ERROR, logger="sglang.srt.plugins"):
+        sglang_plugins.load_plugins()  # the entry point SGLang runs: atom_sglang:register
+    assert "Failed to execute general plugin: atom" in caplog.text
+    assert "UnsupportedHostVersion" in caplog.text
+    assert "atom" not in ATTENTION_BACKENDS
+    with pytest.raises(UnsupportedHostVersion, match=REFUSAL):
+        sglang.Engine(
+            model_path=str(checkpoints("Qwen3ForCausalLM")),
+            device="cpu",
+            skip_tokenizer_init=True,
+            attention_backend="torch_native",
+        )
 
 
 def test_external_model_package_offers_every_served_architecture():
@@ -329,26 +462,89 @@ def test_mla_backend_matches_latent_mqa(prefix_lens, new_lens):
     torch.testing.assert_close(pool.kv[batch.out_cache_loc], k_new)
 
 
-def test_atom_models_keep_prefill_out_of_cuda_graphs(checkpoints):
+@pytest.fixture
+def runtime_context():
+    """The process-wide config SGLang publishes, put back after the test."""
+    from sglang.srt.runtime_context import restore_context, snapshot_context
+
+    state = snapshot_context()
+    yield
+    restore_context(state)
+
+
+H200_DECODE_MAX_BS = 256  # SGLang's decode graph size on an H100/H200 with tp < 4
+
+
+def publish_as_on_gpu(model, **user_choice):
+    """Publishes server args resolved here, then what SGLang resolves on an H200 (tp=1):
+    device cuda, breakable prefill graphs, and, unless the user sized them, full decode
+    graphs up to 256 requests with SGLang's own spacing."""
+    from sglang.srt.arg_groups.cuda_graph_hook import generate_decode_cuda_graph_batch_sizes
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+    from sglang.srt.runtime_context import get_context, get_exec, publish
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=str(model), device="cpu", skip_tokenizer_init=True, **user_choice)
+    publish(args, role="test")
+    decode = {"backend": Backend.FULL}
+    if not user_choice:
+        decode["max_bs"] = H200_DECODE_MAX_BS
+        decode["bs"] = generate_decode_cuda_graph_batch_sizes(args, H200_DECODE_MAX_BS)
+    config = with_phase(get_exec().graph.cuda_graph_config, Phase.DECODE, **decode)
+    config = with_phase(config, Phase.PREFILL, backend=Backend.BREAKABLE)
+    get_context().override("test", device="cuda", cuda_graph_config=config)
+    return args
+
+
+def test_atom_models_keep_prefill_out_of_cuda_graphs(checkpoints, runtime_context):
     """SGLang's GPU default captures prefill through a decoder-body signature ATOM's
     models do not have (atom_sglang.patches, change 2): building ATOM's wrapper turns
     the prefill phase off in the published config; decode graphs stay as they were."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
-    from sglang.srt.runtime_context import get_exec, publish
+    from sglang.srt.runtime_context import get_context, get_exec
+
+    from atom_sglang.patches import decode_graphs_enabled, keep_prefill_eager
+
+    publish_as_on_gpu(checkpoints("Qwen3ForCausalLM"))
+    decode = get_exec().graph.cuda_graph_config.decode
+    assert keep_prefill_eager()
+    config = get_exec().graph.cuda_graph_config
+    assert config.prefill.backend == Backend.DISABLED
+    assert config.decode == decode and decode_graphs_enabled()
+    assert get_context().overrides_log()[-1][0] == "atom_sglang.patches"
+    assert not keep_prefill_eager()  # already off: nothing to change
+
+
+def test_graph_patches_leave_an_unpublished_process_alone(runtime_context):
+    from sglang.srt.runtime_context import reset_context
+
+    from atom_sglang.patches import (
+        capture_decode_batches_up_to,
+        decode_graphs_enabled,
+        keep_prefill_eager,
+    )
+
+    reset_context()
+    assert not keep_prefill_eager() and not decode_graphs_enabled()
+    assert not capture_decode_batches_up_to(1024)
+
+
+def test_cuda_graph_guard_reads_the_published_decode_phase(checkpoints, runtime_context):
+    """The wrapper refuses a model with uncapturable parts only where SGLang will
+    capture decode steps: `--disable-cuda-graph` turns that off."""
+    from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
-    from atom_sglang.patches import keep_prefill_eager
+    from atom_sglang.patches import decode_graphs_enabled
 
+    model = str(checkpoints("Qwen3ForCausalLM"))
+    publish_as_on_gpu(model)
+    assert decode_graphs_enabled()
     args = ServerArgs(
-        model_path=str(checkpoints("Qwen3ForCausalLM")), device="cpu", skip_tokenizer_init=True
+        model_path=model, device="cpu", skip_tokenizer_init=True, disable_cuda_graph=True
     )
-    args.cuda_graph_config.prefill.backend = Backend.BREAKABLE  # as on a GPU
-    decode = args.cuda_graph_config.decode.backend
     publish(args, role="test")
-    assert keep_prefill_eager()
-    assert get_exec().graph.cuda_graph_config.prefill.backend == Backend.DISABLED
-    assert args.cuda_graph_config.decode.backend == decode
-    assert not keep_prefill_eager()  # already off: nothing to change
+    assert not decode_graphs_enabled()
 
 
 @pytest.mark.parametrize(
@@ -360,40 +556,49 @@ def test_atom_models_keep_prefill_out_of_cuda_graphs(checkpoints):
         {"cuda_graph_config": {"decode": {"max_bs": 64}}},
     ],
 )
-def test_atom_models_capture_decode_batches_up_to_1024(checkpoints, user_choice):
+def test_atom_models_capture_decode_batches_up_to_1024(checkpoints, runtime_context, user_choice):
     """SGLang sizes decode graphs from GPU memory (256 on an H200), and ATOM's models
     run eagerly above that are CPU-bound (atom_sglang.patches, change 3): building ATOM's
     wrapper extends the decode list to 1024 with SGLang's own spacing, unless the user
     chose decode sizes (flags or JSON cuda_graph_config)."""
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-    from sglang.srt.runtime_context import get_exec, publish
-    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.arg_groups.cuda_graph_hook import generate_decode_cuda_graph_batch_sizes
+    from sglang.srt.runtime_context import get_exec
 
     from atom_sglang.patches import capture_decode_batches_up_to
 
-    args = ServerArgs(
-        model_path=str(checkpoints("Qwen3ForCausalLM")),
-        device="cpu",
-        skip_tokenizer_init=True,
-        **user_choice,
-    )
-    args.override("test", device="cuda")  # as on a GPU: decode sizes as on an H200, tp=1
-    decode = args.cuda_graph_config.decode
-    decode.backend = Backend.FULL
-    if not user_choice:
-        decode.max_bs = 256
-        decode.bs = args._generate_decode_cuda_graph_batch_sizes(256)
-    before = (decode.max_bs, list(decode.bs))
-    publish(args, role="test")
+    args = publish_as_on_gpu(checkpoints("Qwen3ForCausalLM"), **user_choice)
+    before = get_exec().graph.cuda_graph_config.decode
     if user_choice:
         assert not capture_decode_batches_up_to(1024)
-        assert (decode.max_bs, decode.bs) == before
+        assert get_exec().graph.cuda_graph_config.decode == before
         return
     assert capture_decode_batches_up_to(1024)
-    published = get_exec().graph.cuda_graph_config.decode
-    for phase in (decode, published):
-        assert phase.max_bs == 1024
-        assert phase.bs == args._generate_decode_cuda_graph_batch_sizes(1024)
-    assert decode.bs[: len(before[1])] == before[1]  # SGLang's spacing, extended
+    decode = get_exec().graph.cuda_graph_config.decode
+    assert decode.max_bs == 1024 and decode.backend == before.backend
+    assert decode.bs == generate_decode_cuda_graph_batch_sizes(args, 1024)
+    assert decode.bs[: len(before.bs)] == before.bs  # SGLang's spacing, extended
     assert decode.bs[-3:] == [960, 992, 1024]
     assert not capture_decode_batches_up_to(1024)  # already there: nothing to change
+
+
+def test_atom_model_config_restores_what_sglang_pads_on_cpu(tmp_path):
+    """SGLang's CPU loader rounds MLP sizes up to a multiple of 32 (tp=1) and keeps the
+    checkpoint's as `original_*`; ATOM's model is built from the checkpoint's, on a copy
+    (SGLang's own code keeps the padded config)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
+
+    from atom.testing import tiny_config, write_checkpoint
+    from atom_sglang.model import atom_model_config
+
+    config = tiny_config("Qwen3MoeForCausalLM", moe_intermediate_size=48, intermediate_size=200)
+    model_config = ModelConfig(str(write_checkpoint(config, tmp_path)))
+    padded = adjust_config_with_unaligned_cpu_tp(model_config, LoadConfig(), 1).hf_config
+    assert (padded.moe_intermediate_size, padded.intermediate_size) == (64, 224)
+    restored = atom_model_config(padded)
+    assert (restored.moe_intermediate_size, restored.intermediate_size) == (48, 200)
+    assert (padded.moe_intermediate_size, padded.intermediate_size) == (64, 224)
+    assert restored.num_experts == padded.num_experts
+    aligned = tiny_config("Qwen3MoeForCausalLM")
+    assert atom_model_config(aligned) is aligned

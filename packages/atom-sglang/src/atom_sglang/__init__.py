@@ -9,6 +9,12 @@ that load plugins (the engine's main process and each scheduler). It
   SGLang-capable with ATOM's wrapper class (`atom_sglang.model.AtomForCausalLM`);
 * on SGLang's CPU engine only, registers the hook listed in `atom_sglang.patches`.
 
+Before anything, it checks the installed SGLang against `SUPPORTED` (the tested range).
+Outside it, ATOM stays out of SGLang's way (one log line, nothing registered), unless
+the user asked for ATOM explicitly (`ATOM_DISABLE_SGLANG_PLUGIN=0`, or the "atom"
+attention backend): then SGLang's launch stops with `UnsupportedHostVersion`
+(`atom_sglang.guard` says where and why there).
+
 The same classes are an SGLang external model package without the plugin:
 `SGLANG_EXTERNAL_MODEL_PACKAGE=atom_sglang.models`. `ATOM_DISABLE_SGLANG_PLUGIN=1`
 turns the plugin off (SGLang then runs its own models and has no "atom" backend);
@@ -17,16 +23,25 @@ turns the plugin off (SGLang then runs its own models and has no "atom" backend)
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 
 from atom.hosts import plugin as hosts_plugin
-from atom.hosts.plugin import PluginLog, env_flag
+from atom.hosts.plugin import (
+    HostRange,
+    PluginLog,
+    UnsupportedHostVersion,
+    check_host_version,
+    env_flag,
+    env_flag_off,
+)
 
 __version__ = "0.1.0"
 
 DISABLE_ENV = "ATOM_DISABLE_SGLANG_PLUGIN"
 BACKEND_ONLY_ENV = "ATOM_SGLANG_BACKEND_ONLY"  # "1": the "atom" backend, SGLang's models
 BACKEND_NAME = "atom"
+SUPPORTED = HostRange("SGLang", "0.5.21", "0.5.22")
 
 logger = logging.getLogger("sglang.atom_sglang")
 
@@ -35,6 +50,16 @@ _registered: list[str] | None = None
 
 def plugin_disabled() -> bool:
     return env_flag(DISABLE_ENV)
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version (its distribution's metadata; no import)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
+        from sglang.version import __version__
+
+        return __version__
 
 
 # Through SGLang's logging once it is configured; to stderr before.
@@ -68,15 +93,38 @@ def register_models(archs: list[str]) -> None:
         ModelRegistry.models[arch] = wrapper_class(arch)
 
 
+def _refuse_requested_launches() -> None:
+    from atom_sglang.guard import refuse_requested_launches
+
+    try:
+        # Late-bound: the installed version as it is at launch (tests fake it).
+        refuse_requested_launches(SUPPORTED, lambda: sglang_version(), DISABLE_ENV, _say)
+    except Exception:  # an SGLang without the resolution hooks: the log line must do
+        _say("cannot check SGLang launches for ATOM requests", level=logging.DEBUG, exc_info=True)
+
+
 def register() -> None:
-    """The `sglang.srt.plugins` entry point: idempotent, never raises into SGLang."""
+    """The `sglang.srt.plugins` entry point: idempotent, and never raises into SGLang
+    except `UnsupportedHostVersion` where the user requested ATOM on an SGLang outside
+    `SUPPORTED` (SGLang's loader logs it; the launch raises it, `atom_sglang.guard`)."""
     global _registered
     if plugin_disabled():
         if _registered is None:
             _registered = []
             _say("%s=1: ATOM plugin inactive, SGLang runs its own models", DISABLE_ENV)
         return
-    if _registered:
+    if _registered is not None:
+        return
+    version = sglang_version()
+    try:
+        supported = check_host_version(SUPPORTED, version, env_flag_off(DISABLE_ENV), _say)
+    except UnsupportedHostVersion:
+        _registered = []
+        _refuse_requested_launches()
+        raise
+    if not supported:
+        _registered = []
+        _refuse_requested_launches()
         return
     try:
         from atom_sglang.patches import apply_patches
@@ -102,4 +150,11 @@ def register() -> None:
         )
 
 
-__all__ = ["register", "served_architectures", "plugin_disabled", "__version__"]
+__all__ = [
+    "SUPPORTED",
+    "register",
+    "served_architectures",
+    "plugin_disabled",
+    "sglang_version",
+    "__version__",
+]

@@ -4,6 +4,8 @@ One generic `AtomForCausalLM`; `wrapper_class(arch)` makes the subclass named af
 architecture (SGLang keys its model registry by class name). SGLang constructs it with
 `(config=hf_config, quant_config=...)` under its default dtype and device, then:
 
+* config: ATOM's model is built from SGLang's HF config with the checkpoint's true MLP
+  sizes (`atom_model_config`: SGLang's CPU loader pads them);
 * TP: SGLang's tensor-parallel group is installed as ATOM's (`atom.distributed`);
 * attention: the ATOM model is built inside `attention_backend(factory)`, so each ATOM
   attention layer owns an SGLang `RadixAttention` (`atom_sglang.attention_layer`), of
@@ -18,6 +20,7 @@ architecture (SGLang keys its model registry by class name). SGLang constructs i
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -39,26 +42,51 @@ from atom_sglang.attention_layer import (
     sglang_attention_factory,
 )
 from atom_sglang.distributed import install_sglang_tp_group
-from atom_sglang.patches import capture_decode_batches_up_to, keep_prefill_eager
+from atom_sglang.patches import (
+    capture_decode_batches_up_to,
+    decode_graphs_enabled,
+    keep_prefill_eager,
+)
 
 logger = logging.getLogger("sglang.atom_sglang.model")
 
 ATOM_MODEL_ATTR = "atom_model"
 # Decode batches up to this size run in CUDA graphs (atom_sglang.patches, change 3).
 DECODE_GRAPH_MAX_BS = 1024
+# The sizes SGLang's CPU loader (`adjust_config_with_unaligned_cpu_tp`, 0.5.21) rounds up
+# to a multiple of tp * 32 for its CPU kernels, keeping the checkpoint's value as
+# `original_<name>`. The checkpoint's tensors have the true size, and so must ATOM's
+# layers. (It also records `original_num_attention_heads`; head counts are left alone,
+# since SGLang sizes its KV pool from the padded ones.)
+CPU_PADDED_SIZES = (
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "intermediate_size_mlp",
+)
 
 
 class UnsupportedSglangFeature(NotImplementedError):
     """An SGLang setting ATOM's wrapper cannot honour (ATOM_DISABLE_SGLANG_PLUGIN=1)."""
 
 
-def _cuda_graphs_enabled() -> bool:
-    from sglang.srt.server_args import get_global_server_args
-
-    try:
-        return not get_global_server_args().disable_cuda_graph
-    except Exception:  # no server args in this process (unit tests)
-        return False
+def atom_model_config(config: Any) -> Any:
+    """`config` with the checkpoint's sizes where SGLang padded them (`CPU_PADDED_SIZES`);
+    `config` itself when nothing was padded. A copy, because SGLang's own code (its
+    `LogitsProcessor`, MoE set-up) keeps reading the padded one."""
+    true_sizes = {
+        name: getattr(config, f"original_{name}")
+        for name in CPU_PADDED_SIZES
+        if getattr(config, f"original_{name}", None) is not None
+        and getattr(config, name, None) != getattr(config, f"original_{name}")
+    }
+    if not true_sizes:
+        return config
+    restored = copy.deepcopy(config)
+    for name, value in true_sizes.items():
+        setattr(restored, name, value)
+    logger.info("ATOM builds the checkpoint's sizes SGLang padded: %s", true_sizes)
+    return restored
 
 
 class AtomForCausalLM(nn.Module):
@@ -75,21 +103,22 @@ class AtomForCausalLM(nn.Module):
         atom_quant = get_quant_config(config)
         model_cls = self.entry.load_class()
         with attention_backend(sglang_attention_factory(self.adapter)):
-            atom_model = model_cls(config, atom_quant, prefix=prefix)
+            atom_model = model_cls(atom_model_config(config), atom_quant, prefix=prefix)
         setattr(self, ATOM_MODEL_ATTR, atom_model)
         self.logits_processor = LogitsProcessor(config)
         self._pool_checked = False
         device = next(atom_model.parameters()).device
+        if keep_prefill_eager():
+            logger.info("ATOM models run prefill without CUDA graphs (atom_sglang.patches)")
+        # After the prefill switch: from here on only decode steps can be captured.
         blockers = graph_blockers(atom_model, device) if device.type == "cuda" else []
-        if blockers and _cuda_graphs_enabled():
+        if blockers and decode_graphs_enabled():
             raise UnsupportedSglangFeature(
                 f"ATOM {self.entry.architecture} on this device cannot be captured in CUDA "
                 f"graphs ({', '.join(blockers)}): run SGLang with disable_cuda_graph=True "
                 "(--disable-cuda-graph)"
             )
-        if keep_prefill_eager():
-            logger.info("ATOM models run prefill without CUDA graphs (atom_sglang.patches)")
-        if _cuda_graphs_enabled() and capture_decode_batches_up_to(DECODE_GRAPH_MAX_BS):
+        if capture_decode_batches_up_to(DECODE_GRAPH_MAX_BS):
             logger.info(
                 "ATOM models capture decode CUDA graphs up to %d requests (atom_sglang.patches)",
                 DECODE_GRAPH_MAX_BS,
