@@ -62,6 +62,8 @@ def test_mla_greedy_tokens_equal_hf(runs, checkpoints, arch):
         assert layer["backend"] == "atom_vllm.mla.AtomMLABackend"
         assert layer["impl"] == "NativeMLAImpl"
         assert layer["calls"] > 0
-        # [num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]: ATOM's latent cache
-        assert layer["kv_cache_shape"][1:] == [1, BLOCK_SIZE, 64 + 16]
+        # [num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]: ATOM's latent
+        # cache (vLLM may split a 32-token block into kernel blocks for MLA on CPU)
+        _, heads, kernel_block, row = layer["kv_cache_shape"]
+        assert (heads, row) == (1, 64 + 16) and BLOCK_SIZE % kernel_block == 0
     assert "2 attention layers on AtomMLABackend" in result.log

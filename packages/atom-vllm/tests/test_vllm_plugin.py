@@ -141,14 +141,17 @@ def test_installed_vllm_is_in_the_supported_range():
     assert atom_vllm.SUPPORTED.admits(vllm.__version__)
 
 
-def test_untested_vllm_gets_one_line_and_no_registration(fresh_plugin, monkeypatch, capsys):
+def test_untested_vllm_gets_one_line_and_no_registration(fresh_plugin, monkeypatch, capsys, caplog):
     before = dict(ModelRegistry.models)
     AttentionBackendEnum.CUSTOM.clear_override()
     monkeypatch.setattr(atom_vllm, "vllm_version", lambda: "0.40.1")
-    atom_vllm.register()
+    with caplog.at_level(logging.INFO, logger="vllm.atom_vllm"):
+        atom_vllm.register()
     assert dict(ModelRegistry.models) == before
     assert not AttentionBackendEnum.CUSTOM.is_overridden()
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    said = capsys.readouterr().err.strip().splitlines()
+    said += [r.getMessage() for r in caplog.records if r.name == "vllm.atom_vllm"]
+    (line,) = said
     assert "vLLM 0.40.1 is outside the range" in line and ">=0.32,<0.33" in line
     assert "ATOM inactive, the host runs its own models" in line
 
