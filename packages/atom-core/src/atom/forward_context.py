@@ -1,4 +1,4 @@
-"""The host-neutral description of one forward step (DESIGN.md §3).
+"""The host-neutral description of one forward step (docs/architecture.md).
 
 Every host (native engine, vLLM, SGLang) fills the same `AttentionMetadata`; the
 attention layers read it through `get_forward_context()` and never learn which host

@@ -1,4 +1,4 @@
-"""The one registry of supported architectures (DESIGN.md §2).
+"""The one registry of supported architectures (docs/architecture.md).
 
 Each entry maps a HF `architectures[0]` name to the ATOM model class (imported lazily)
 and declares what the hosts need to know: attention kind, MoE, quantization formats and

@@ -1,6 +1,6 @@
 """Paged attention against dense attention over each sequence's unpaged K/V.
 
-Batches follow DESIGN.md §3: decodes first, then prefills with and without a cached
+Batches follow docs/architecture.md: decodes first, then prefills with and without a cached
 prefix; pages are scattered randomly through the pool and the K/V of every position
 (context and new tokens) is in the cache before attention runs.
 """

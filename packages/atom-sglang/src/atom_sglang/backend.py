@@ -1,7 +1,7 @@
 """ATOM's attention backend for SGLang (`attention_backend="atom"`), MHA and MLA.
 
 SGLang calls `init_forward_metadata(forward_batch)` once per forward; the backend turns
-the batch into `atom.forward_context.AttentionMetadata` (DESIGN.md §3) through the
+the batch into `atom.forward_context.AttentionMetadata` (docs/architecture.md) through the
 request-to-token table (`atom.hosts.token_table`). Every `RadixAttention` layer then
 calls `forward_extend` / `forward_decode`, which write the new K/V into SGLang's own
 KV pool with ATOM's cache-write kernel and attend with ATOM's kernels (the kernel

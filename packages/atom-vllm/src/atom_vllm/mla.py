@@ -42,7 +42,7 @@ from atom_vllm.attention import (
 
 
 class AtomMLAMetadataBuilder(AtomAttentionMetadataBuilder):
-    """The MHA builder: MLA reads the same DESIGN.md §3 schema."""
+    """The MHA builder: MLA reads the same attention-metadata schema (docs/architecture.md)."""
 
 
 class AtomMLABackend(AtomBackendCapabilities):

@@ -1,4 +1,4 @@
-"""Builds the model, owns its paged KV cache, and runs one step in the DESIGN.md §3 schema."""
+"""Builds the model, owns its paged KV cache, and runs one step (schema: docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The DESIGN.md §3 schema from a per-request token table, and paged views of a flat pool.
+"""The attention-metadata schema from a per-request token table, and paged views of a flat pool.
 
 Some hosts (SGLang) do not keep block tables: each request owns a row of a token table
 that maps its positions to KV slots (`req_to_token`), and the KV pool of a layer is one

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek MLA) over a paged latent cache (DESIGN.md §3).
+"""Multi-head latent attention (DeepSeek MLA) over a paged latent cache (docs/architecture.md).
 
 Each cached token is one row of kv_lora_rank + qk_rope_head_dim channels: the normalised
 latent c (L channels) followed by the rotated rope key k_pe (R channels), shared by all

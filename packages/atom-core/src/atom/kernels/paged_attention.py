@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache for a mixed batch of decodes and prefills (DESIGN.md §3)."""
+"""Paged-KV attention for a mixed batch of decodes and prefills (docs/architecture.md)."""
 
 from __future__ import annotations
 

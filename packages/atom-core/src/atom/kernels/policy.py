@@ -1,4 +1,4 @@
-"""KernelPolicy: which implementation (aiter, triton, torch) runs each op (DESIGN.md §4).
+"""KernelPolicy: which implementation (aiter, triton, torch) runs each op (docs/architecture.md).
 
 Every op module registers its implementations with `@register(op, backend)` and calls
 `dispatch(op, device)` in its public function. The torch reference is always present

@@ -2,7 +2,7 @@
 
 A host chooses the implementation while the model is built (`attention_backend(...)`);
 the default is ATOM's native paged attention. At run time the impl reads the step's
-`AttentionMetadata` from the forward context (DESIGN.md §3).
+`AttentionMetadata` from the forward context (docs/architecture.md).
 
 Impl contract: `impl(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv]) -> [T,Hq,Dv]` with q and k
 final. A layer whose model normalises and rotates q/k (`AttentionSpec.qk_rope`) applies

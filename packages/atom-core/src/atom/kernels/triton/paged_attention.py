@@ -1,4 +1,4 @@
-"""Paged attention over the DESIGN.md §3 schema: a split-K decode kernel with a reduction,
+"""Paged attention over the schema of docs/architecture.md: a split-K decode kernel with a reduction,
 and the dispatch of a mixed batch (decodes here, prefills in prefill_attention.py).
 
 GQA: the query heads that share a KV head are decoded together, so every K/V page is

@@ -1,4 +1,4 @@
-"""Causal varlen prefill over the paged KV cache (DESIGN.md §3): one program per
+"""Causal varlen prefill over the paged KV cache (docs/architecture.md): one program per
 (query head, prefill sequence, tile of BLOCK_M new tokens).
 
 A sequence's keys come from two places:
