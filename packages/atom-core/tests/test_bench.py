@@ -8,6 +8,7 @@ import gzip
 import importlib.metadata
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -24,7 +25,15 @@ from atom.bench.report import (
     write_json,
 )
 from atom.bench.run import add_arguments, resolve
-from atom.bench.shapes import parse_shapes
+from atom.bench.shapes import SHAPES, Shape, parse_shapes
+from atom.bench.traffic import (
+    add_bandwidth,
+    bytes_moved,
+    element_bytes,
+    expected_experts,
+    kv_row_bytes,
+    pass_weight_elements,
+)
 from atom.bench.workloads import BenchError, Workload, make_prompts, parse_workloads
 from atom.cli import main
 
@@ -124,6 +133,7 @@ def _result(engine, workload, rate):
         output_len=w.output_len,
         output_tok_s=rate,
         total_tok_s=rate * 3,
+        gb_s=rate / 10,
     )
 
 
@@ -134,12 +144,16 @@ def test_report_ratios_table_and_json(tmp_path):
         _result("atom", "2x8->4", 50.0),  # no baseline figure for this workload
         dict(_result("vllm", "2x8->4", 0.0), error="no result"),
     ]
-    del results[3]["output_tok_s"], results[3]["total_tok_s"]
+    del results[3]["output_tok_s"], results[3]["total_tok_s"], results[3]["gb_s"]
+    del results[2]["gb_s"]  # a shape without a traffic model
     add_ratios(results, "vllm")
     assert [r["ratio"] for r in results] == [1.0, 1.25, None, None]
     table = format_table(results, "vllm").splitlines()
     assert "ratio vs vllm" in table[0] and len(table) == 6
-    assert table[3].split()[-3:] == ["125.0", "375.0", "1.250"]
+    header = re.split(r"\s{2,}", table[0].strip())  # cells are two spaces apart
+    assert header[-4:] == ["out tok/s", "GB/s", "total tok/s", "ratio vs vllm"]
+    assert table[3].split()[-4:] == ["125.0", "12.50", "375.0", "1.250"]
+    assert table[4].split()[-4:] == ["50.0", "-", "150.0", "-"]
     assert "failed" in table[5]
     write_json(tmp_path / "b.json", {"seed": 0}, results)
     assert json.loads((tmp_path / "b.json").read_text())["results"][1]["ratio"] == 1.25
@@ -172,6 +186,67 @@ def test_rounds_report_each_engines_median_round_and_keep_failures():
     assert row.endswith("1.105 (0.708-1.724)  1.200 0.900 1.250")
     even = [{"output_tok_s": x} for x in (3.0, 1.0, 4.0, 2.0)]
     assert median_run(even)["output_tok_s"] == 2.0  # the slower middle run: a real run
+
+
+def test_bytes_moved_of_tiny_qwen3_by_hand():
+    """The `tiny` shape (hidden 64, 4 heads / 2 KV heads of 16, MLP 128, 2 layers, vocab 512,
+    tied), 2x8->4 in float32 as on the CPU."""
+    layer = 64 * 64 * 2 + 64 * 32 * 2 + 16 * 2 + 64 * 2 + 3 * 64 * 128  # q,o; k,v; qk/2 norms; MLP
+    assert layer == 37_024
+    elements = 2 * layer + 64 + 512 * 64  # final norm, the LM head (= the tied embedding)
+    assert pass_weight_elements(SHAPES["tiny"].fields, batch=2) == elements == 106_880
+    weights = 4 * elements * 4  # 4 passes, 4 bytes
+    kv = 2 * (8 + 9 + 10 + 11) * 2 * (2 * 2 * 16 * 4)  # seqs, positions, layers, K+V row
+    assert weights + kv == 1_748_992
+    assert bytes_moved(SHAPES["tiny"], Workload(2, 8, 4), element_bytes("cpu")) == 1_748_992
+
+
+def test_bytes_moved_of_qwen3_30b_a3b_by_hand():
+    """All 48 layers sparse (128 experts of 3 x 2048 x 768, top 8); 32 query heads and 4 KV
+    heads of 128; 2x100->3 in bfloat16."""
+    shape = SHAPES["qwen3-30b-a3b"]
+    # Two tokens' 8 experts each overlap by 8 * 8/128 = 0.5 on average: 15.5 distinct.
+    assert expected_experts(128, 8, 2) == pytest.approx(15.5)
+    assert expected_experts(128, 8, 1) == pytest.approx(8)
+    assert expected_experts(128, 8, 10_000) == pytest.approx(128)
+    attention = 2048 * 4096 * 2 + 2048 * 512 * 2 + 128 * 2
+    router, expert = 2048 * 128, 2048 * 768 * 3
+    layer = attention + 2048 * 2 + router + 15.5 * expert
+    elements = 48 * layer + 2048 + 151_936 * 2048
+    assert elements == 4_740_560_896
+    kv = 2 * (100 + 101 + 102) * 48 * (2 * 4 * 128 * 2)
+    assert bytes_moved(shape, Workload(2, 100, 3), 2) == 3 * elements * 2 + kv == 28_502_937_600
+    # Near the model card's 3.3B activated / 30.5B total, with the input embedding added.
+    embedding = 151_936 * 2048
+    assert 3.3e9 < pass_weight_elements(shape.fields, batch=1) + embedding < 3.4e9
+    assert 30.5e9 < pass_weight_elements(shape.fields, batch=10**9) + embedding < 30.6e9
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_weight_count_matches_the_hf_models_parameters(architecture):
+    """At a batch that touches every expert, one pass reads every parameter but the
+    (untied) input embedding."""
+    from atom.testing import tiny_config, tiny_fields
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(architecture))
+    embedding = model.get_input_embeddings().weight.numel()
+    parameters = sum(p.numel() for p in model.parameters())
+    assert pass_weight_elements(tiny_fields(architecture), 10**9) == parameters - embedding
+
+
+def test_kv_rows_and_shapes_without_a_weight_model():
+    from atom.testing import tiny_fields
+
+    assert kv_row_bytes(tiny_fields("Qwen3ForCausalLM"), 2) == 2 * 2 * 32 * 2
+    assert kv_row_bytes(tiny_fields("DeepseekV2ForCausalLM"), 2) == (64 + 16) * 2  # MLA latent
+    gpt2 = Shape("gpt2", "GPT2Config", "GPT2LMHeadModel", tiny_fields("GPT2LMHeadModel"))
+    assert bytes_moved(gpt2, Workload(1, 8, 4), 2) is None
+    row = {"time_s": 2.0}
+    add_bandwidth(row, None)
+    assert row == {"time_s": 2.0}
+    add_bandwidth(row, 3_000_000_000)
+    assert row == {"time_s": 2.0, "bytes_moved": 3_000_000_000, "gb_s": 1.5}
 
 
 def _student_t_cdf(x: float, df: int, steps: int = 20_000) -> float:
@@ -208,6 +283,13 @@ def test_atom_bench_end_to_end_on_cpu(tmp_path, capsys, monkeypatch, profile):
     (result,) = json.loads((out / "bench.json").read_text())["results"]
     assert result["output_tokens"] == 8 and result["short_outputs"] == 0
     assert result["ratio"] == 1.0 and result["output_tok_s"] > 0
+    # The hand count of test_bytes_moved_of_tiny_qwen3_by_hand, over the reported run's time.
+    assert result["bytes_moved"] == 1_748_992
+    assert result["gb_s"] == pytest.approx(1_748_992 / result["time_s"] / 1e9)
+    lines = printed.splitlines()
+    header = next(i for i, line in enumerate(lines) if "ratio vs atom" in line)
+    assert re.search(r"out tok/s +GB/s +total tok/s", lines[header])
+    assert f"{result['gb_s']:,.2f}" in lines[header + 2].split()  # the row below the rule
     runs = result["output_tok_s_runs"]
     assert result["repeats"] == 3 and len(runs) == 3
     # The median run; with the profile, of the two runs after the traced first one.

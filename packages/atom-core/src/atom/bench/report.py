@@ -7,7 +7,9 @@ import math
 import statistics
 from pathlib import Path
 
-COLUMNS = ["shape", "engine", "requests", "input", "output", "out tok/s", "total tok/s", "ratio"]
+COLUMNS = [
+    "shape", "engine", "requests", "input", "output", "out tok/s", "GB/s", "total tok/s", "ratio",
+]  # fmt: skip
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; past 30, the normal's.
 T95 = (
     12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
@@ -74,9 +76,9 @@ def median_rounds(rounds: list[list[dict]], baseline: str) -> list[dict]:
 
 def _row(r: dict, by_round: bool) -> list[str]:
     numbers = (
-        [f"{r['output_tok_s']:,.1f}", f"{r['total_tok_s']:,.1f}"]
+        [f"{r['output_tok_s']:,.1f}", _gb_s(r.get("gb_s")), f"{r['total_tok_s']:,.1f}"]
         if "output_tok_s" in r
-        else ["failed", "-"]
+        else ["failed", "-", "-"]
     )
     ratio = _ratio(r.get("ratio"))
     return [
@@ -92,6 +94,11 @@ def _row(r: dict, by_round: bool) -> list[str]:
         if by_round
         else []
     )
+
+
+def _gb_s(value: float | None) -> str:
+    """GB/s of weight and KV reads (atom.bench.traffic); "-" for a shape without a model."""
+    return "-" if value is None else f"{value:,.2f}"
 
 
 def _paired(value: tuple[float, float, float] | None) -> str:

@@ -20,6 +20,7 @@ from atom.bench.driver import EVENT
 from atom.bench.engines import DEFAULT_ENGINES, ENGINES, EngineSpec, engine_env, parse_engines
 from atom.bench.report import add_ratios, format_table, median_rounds, write_json, write_plot
 from atom.bench.shapes import DEFAULT_SHAPES, SHAPES, Shape, parse_shapes
+from atom.bench.traffic import add_bandwidth, bytes_moved, element_bytes
 from atom.bench.workloads import DEFAULT_WORKLOADS, BenchError, parse_workloads
 
 HEARTBEAT_S = 30
@@ -194,6 +195,8 @@ def run_engine(
     )
     clock.say(f"{where}: starting ({spec.description}); log: {log_path}")
     results: dict[str, dict] = {}
+    # Engine-independent numerators of GB/s, one per workload (atom.bench.traffic).
+    moved = {w.name: bytes_moved(shape, w, element_bytes(args.device)) for w in args.workload_list}
     started = time.monotonic()
     current, current_since = "loading", started
     with open(log_path, "w") as log:
@@ -227,6 +230,7 @@ def run_engine(
                     clock.say(f"{where}: {event['workload']}: profile summary {event['report']}")
                     print(Path(event["report"]).read_text(), flush=True)
                 elif event["event"] == "result":
+                    add_bandwidth(event, moved[event["workload"]])
                     results[event["workload"]] = event
                     runs = event["output_tok_s_runs"]
                     spread = (
@@ -234,9 +238,10 @@ def run_engine(
                         if len(runs) > 1
                         else ""
                     )
+                    gb_s = f", {event['gb_s']:,.2f} GB/s" if "gb_s" in event else ""
                     clock.say(
-                        f"{where}: {event['workload']}: {event['output_tok_s']:,.1f} output tok/s "
-                        f"({event['time_s']:.2f} s{spread})"
+                        f"{where}: {event['workload']}: {event['output_tok_s']:,.1f} output tok/s"
+                        f"{gb_s} ({event['time_s']:.2f} s{spread})"
                     )
             elif line:
                 log.write(line)
