@@ -379,7 +379,7 @@ def test_mha_backend_matches_dense_attention(page_size, prefix_lens, new_lens, w
 def test_fused_qk_rope_write_equals_rotating_first(prefix_lens, new_lens):
     """What SglangAttention hands ATOM's backend for a fusing family (raw q/k, qk_rope,
     positions) gives the output and cache of rotating q/k first, then attending."""
-    from atom.layers.attention import QKRope
+    from atom.layers.attention_spec import QKRope
     from atom.layers.norm import RMSNorm
     from atom.layers.rotary import RotaryEmbedding
 

@@ -16,7 +16,8 @@ from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.fused_qkv import fused_qkv_rope_write_kv, fused_qkv_rope_write_kv_torch
 from atom.kernels.norm import rms_norm_torch
 from atom.kernels.rotary import apply_rotary_emb_torch, compute_cos_sin_cache
-from atom.layers.attention import Attention, QKRope, attention_backend
+from atom.layers.attention import Attention, attention_backend
+from atom.layers.attention_spec import QKRope
 from atom.layers.norm import RMSNorm
 from atom.layers.paged_attention_impl import NativeAttentionImpl
 from atom.layers.rotary import RotaryEmbedding

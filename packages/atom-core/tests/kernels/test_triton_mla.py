@@ -18,7 +18,7 @@ from atom.kernels.mla import (
     mla_prefill_attention_torch,
     write_mla_cache_torch,
 )
-from atom.layers.attention import AttentionSpec
+from atom.layers.attention_spec import AttentionSpec
 from atom.layers.mla_impl import NativeMLAImpl
 from atom.testing.triton_device import triton_test_device
 

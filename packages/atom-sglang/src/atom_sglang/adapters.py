@@ -8,7 +8,7 @@ The wrapper (`atom_sglang.model`) reads one `SglangAdapter` per architecture fam
   `[slots, Hkv, D]`; "mla": one latent row `[slots, 1, L + R]`, DeepSeek's compressed
   cache). SGLang decides the pool from the architecture name; the wrapper checks that
   its decision is this one before building anything.
-* `fuse_qk_rope`: the family's q/k norm + rotary (`atom.layers.attention.QKRope`:
+* `fuse_qk_rope`: the family's q/k norm + rotary (`atom.layers.attention_spec.QKRope`:
   Qwen3's per-head RMSNorm, then rotary) runs in the kernel that writes the KV cache
   when ATOM's backend serves the layer (`atom_sglang.attention_layer.SglangAttention`).
 """

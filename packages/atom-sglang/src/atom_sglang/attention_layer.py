@@ -27,7 +27,7 @@ from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
 from atom.forward_context import get_forward_context
-from atom.layers.attention import AttentionSpec, ImplFactory
+from atom.layers.attention_spec import AttentionSpec, ImplFactory
 from atom.layers.mla_impl import NativeMLAImpl
 from atom_sglang.adapters import SglangAdapter
 from atom_sglang.backend import AtomAttnBackend

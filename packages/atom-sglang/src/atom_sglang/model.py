@@ -29,7 +29,7 @@ import torch
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from torch import nn
 
-from atom.engine.cuda_graphs import graph_blockers
+from atom.cuda_graphs import graph_blockers
 from atom.forward_context import set_forward_context
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend

@@ -37,7 +37,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from atom.forward_context import AttentionMetadata
-from atom.layers.attention import QKRope
+from atom.layers.attention_spec import QKRope
 from atom.layers.paged_attention_impl import write_kv_and_attend
 
 BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member register() overrides
@@ -121,7 +121,7 @@ def to_atom_metadata(cm: CommonAttentionMetadata) -> AttentionMetadata:
 
 # Parts of this worker's ATOM model that cannot be captured in a CUDA graph (torch
 # reference ops that read lengths or expert counts on the host; see
-# atom.engine.cuda_graphs.graph_blockers). Set by the model wrapper, which is built
+# atom.cuda_graphs.graph_blockers). Set by the model wrapper, which is built
 # before vLLM creates the metadata builders and asks them about CUDA graphs.
 _model_graph_blockers: list[str] = []
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.attention import Attention
 
-from atom.layers.attention import AttentionSpec, ImplFactory
+from atom.layers.attention_spec import AttentionSpec, ImplFactory
 from atom_vllm.attention import AtomAttentionBackend
 
 

@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionType
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 from atom.forward_context import set_forward_context
-from atom.layers.attention import AttentionSpec
+from atom.layers.attention_spec import AttentionSpec
 from atom.layers.mla_impl import NativeMLAImpl
 from atom_vllm.attention import (
     PLAIN_CACHE_DTYPES,

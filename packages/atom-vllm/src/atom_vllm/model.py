@@ -28,7 +28,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-from atom.engine.cuda_graphs import graph_blockers
+from atom.cuda_graphs import graph_blockers
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
 from atom.loader import process_weights_after_loading

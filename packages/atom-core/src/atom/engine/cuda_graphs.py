@@ -3,7 +3,7 @@
 A decode step is dominated by kernel launches at small batch sizes; replaying a captured
 graph removes them. Inputs live in static buffers (one pinned host buffer, one upload per
 step); a batch is padded to the next captured size with rows that write nowhere (slot -1)
-and read one page.
+and read one page. Whether a model can be captured at all is `atom.cuda_graphs.graph_blockers`.
 """
 
 from __future__ import annotations
@@ -16,18 +16,6 @@ from torch import nn
 from atom.engine.staged_buffers import StagedBuffers
 from atom.engine.step_arrays import StepArrays, TokenFeed
 from atom.forward_context import AttentionMetadata, set_forward_context
-from atom.kernels.policy import selected_backend
-
-
-def graph_blockers(model: nn.Module, device: torch.device) -> list[str]:
-    """Parts of the model that cannot be captured: torch reference ops that read sequence
-    lengths or expert counts on the host (modules declare `cuda_graph_safe = False`)."""
-    blockers = {
-        type(m).__name__ for m in model.modules() if not getattr(m, "cuda_graph_safe", True)
-    }
-    if selected_backend("paged_attention", device) == "torch":
-        blockers.add("torch paged attention")
-    return sorted(blockers)
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from atom.config import ModelConfig
+from atom.cuda_graphs import graph_blockers
+from atom.engine.cuda_graphs import DecodeGraphs
 from atom.engine.step_arrays import StepInput, TokenFeed, build_step_arrays, upload
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.quantization import get_quant_config
@@ -77,8 +79,6 @@ class ModelRunner:
         self.decode_graphs = None
 
     def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        from atom.engine.cuda_graphs import DecodeGraphs, graph_blockers
-
         blockers = graph_blockers(self.model, self.device)
         if blockers:
             logger.warning(

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from atom.distributed import divide, get_tp_group
-from atom.layers.attention import AttentionSpec, create_attention_impl
+from atom.layers.attention import create_attention_impl
+from atom.layers.attention_spec import AttentionSpec
 from atom.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from atom.layers.norm import RMSNorm
 from atom.layers.quantization import QuantizationConfig

@@ -8,7 +8,7 @@ from torch import nn
 from atom.forward_context import get_forward_context
 from atom.kernels import mla_attention, write_mla_cache
 from atom.kernels.policy import is_capturable
-from atom.layers.attention import AttentionSpec
+from atom.layers.attention_spec import AttentionSpec
 
 
 class NativeMLAImpl(nn.Module):

@@ -7,7 +7,7 @@ from torch import nn
 
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.kernels import paged_attention, write_kv_cache
-from atom.layers.attention import AttentionSpec, QKRope
+from atom.layers.attention_spec import AttentionSpec, QKRope
 
 
 def write_kv_and_attend(

@@ -11,7 +11,8 @@ from torch import nn
 from atom.config import get_rope_parameters
 from atom.distributed import divide, get_tp_group
 from atom.layers.activation import SiluAndMul
-from atom.layers.attention import Attention, QKRope
+from atom.layers.attention import Attention
+from atom.layers.attention_spec import QKRope
 from atom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atom.layers.norm import RMSNorm

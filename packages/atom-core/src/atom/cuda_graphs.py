@@ -1,0 +1,26 @@
+"""Whether a model can be captured in a CUDA graph, asked by every host before it captures.
+
+A module whose forward waits on the host (a torch reference op that reads sequence lengths
+or expert counts with `.item()` or data-dependent shapes) declares `cuda_graph_safe =
+False`, usually as a property that asks the kernel policy (`atom.kernels.policy.
+is_capturable`) about the ops it dispatches to on its device. The native engine
+(`atom.engine.cuda_graphs`), atom-vllm and atom-sglang all capture through this one check.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.kernels.policy import selected_backend
+
+
+def graph_blockers(model: nn.Module, device: torch.device) -> list[str]:
+    """Parts of the model that cannot be captured: torch reference ops that read sequence
+    lengths or expert counts on the host (modules declare `cuda_graph_safe = False`)."""
+    blockers = {
+        type(m).__name__ for m in model.modules() if not getattr(m, "cuda_graph_safe", True)
+    }
+    if selected_backend("paged_attention", device) == "torch":
+        blockers.add("torch paged attention")
+    return sorted(blockers)

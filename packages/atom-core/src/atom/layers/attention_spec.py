@@ -1,0 +1,90 @@
+"""What a host needs to know about one attention layer: its shape (`AttentionSpec`) and
+the q/k norm + rotary its model applies before the KV cache (`QKRope`).
+
+The contract between a model's attention layers (`atom.layers.attention`) and the
+`AttentionImpl`s that hosts supply (native: `paged_attention_impl`, `mla_impl`; vLLM and
+SGLang: their plugins). Impls and hosts import it from here; the layer module builds on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from atom.kernels import fused_qkv_rope_write_kv
+from atom.layers.norm import RMSNorm
+from atom.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class QKRope:
+    """What a layer does to q and k between its projection and the KV cache: an optional
+    per-head RMSNorm of each (Qwen3), then rotary. Holds the model's own modules (their
+    weights load under the model's names)."""
+
+    rotary_emb: RotaryEmbedding
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+
+    def __post_init__(self):
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("QKRope normalises q and k together: give both norms or neither")
+        if self.q_norm is not None and self.q_norm.eps != self.k_norm.eps:
+            raise ValueError("q_norm and k_norm must share one eps")
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unfused path: q [T, Hq, D], k [T, Hkv, D] normalised and rotated."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary_emb(positions, q, k)
+
+    def apply_and_write_kv(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """The fused path: writes rotated k and v into the cache, leaves the rotated k in k
+        (in place: attention reads the new keys from it), returns rotated q."""
+        rope, norm = self.rotary_emb, self.q_norm is not None
+        return fused_qkv_rope_write_kv(
+            q, k, v, positions, rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style,
+            key_cache, value_cache, slot_mapping,
+            self.q_norm.weight if norm else None,
+            self.k_norm.weight if norm else None,
+            self.q_norm.eps if norm else 0.0,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything a host needs to allocate a layer's KV cache and run its attention."""
+
+    layer_name: str
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank (for MLA: 1, the latent)
+    head_dim: int  # query/key head dim
+    v_head_dim: int
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    kind: str = "MHA"  # "MHA" or "MLA"
+    # MLA only: latent width, rope width, and the model's kv_b_proj for absorption.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    kv_b_proj: Any = None
+    # MHA: the q/k norm + rotary the model applies before the cache (see QKRope).
+    qk_rope: QKRope | None = None
+
+
+ImplFactory = Callable[[AttentionSpec], nn.Module]
