@@ -84,3 +84,13 @@ def test_declared_transformers_range_is_tested_at_both_ends():
         (">=", str(low)),
         ("<", f"{high.major}.{high.minor + 1}"),
     }
+
+
+def test_every_package_declares_the_same_python():
+    import tomllib
+
+    declared = {
+        path.parent.name: tomllib.loads(path.read_text())["project"]["requires-python"]
+        for path in sorted((ROOT / "packages").glob("*/pyproject.toml"))
+    }
+    assert len(declared) == 3 and len(set(declared.values())) == 1, declared
