@@ -282,6 +282,36 @@ def test_impl_writes_cache_then_matches_dense_attention(sliding_window):
         assert torch.equal(row, torch.cat([k_row, v_row], dim=-1))
 
 
+def test_impl_rotates_with_the_positions_of_its_metadata():
+    """A layer built with `qk_rope` gets raw q/k; the impl rotates them with the step
+    metadata's positions (vLLM's CommonAttentionMetadata.positions) as it writes the cache:
+    the same output as rotating first and attending without it."""
+    from atom.layers.attention_spec import QKRope
+    from atom.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(1)
+    hq, hkv, d, bs, nb = 4, 2, 32, 4, 64
+    context, query = [0, 0], [5, 3]
+    cm = _step(query, context, bs, nb)
+    cm.positions = torch.cat([torch.arange(n) for n in query])
+    rope = QKRope(RotaryEmbedding(d, d, 64, 10000.0))
+    q, k, v = torch.randn(8, hq, d), torch.randn(8, hkv, d), torch.randn(8, hkv, d)
+
+    def run(impl, q, k):
+        kv_cache = torch.zeros(nb, bs, hkv, 2 * d).transpose(1, 2)
+        out = torch.empty(8, hq, d)
+        impl.forward(None, q.clone(), k.clone(), v, kv_cache, to_atom_metadata(cm), out)
+        return out
+
+    fused = AtomAttentionImpl(hq, d, d**-0.5, hkv, None, None, "auto", qk_rope=rope)
+    plain = AtomAttentionImpl(hq, d, d**-0.5, hkv, None, None, "auto")
+    q_rot, k_rot = rope(cm.positions, q.clone(), k.clone())
+    torch.testing.assert_close(run(fused, q, k), run(plain, q_rot, k_rot))
+    cm.positions = None
+    with pytest.raises(RuntimeError, match="positions"):
+        run(fused, q, k)
+
+
 def test_impl_rejects_what_it_cannot_do():
     with pytest.raises(NotImplementedError, match="fp8"):
         AtomAttentionImpl(4, 32, 0.1, 2, None, None, "fp8")

@@ -24,6 +24,9 @@ class AttentionMetadata:
     seq_lens:        [B] int32, cached context + new tokens per sequence.
     block_table:     [B, max_blocks] int32, KV page ids per sequence.
     slot_mapping:    [T] int64, cache slot of each new token (-1: padding, not written).
+    positions:       [T] int64, position of each new token; set by hosts whose attention
+                     op carries only q/k/v (vLLM), for impls that rotate q/k in the
+                     kernel that writes the cache.
     """
 
     query_start_loc: torch.Tensor
@@ -37,6 +40,7 @@ class AttentionMetadata:
     # Host-side copies so reference kernels can loop without device syncs.
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -27,6 +27,7 @@ from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
 from atom.forward_context import get_forward_context
+from atom.kernels import absorb_query, expand_latent_output
 from atom.layers.attention_spec import AttentionSpec, ImplFactory
 from atom.layers.mla_impl import NativeMLAImpl
 from atom_sglang.adapters import SglangAdapter
@@ -128,12 +129,10 @@ class SglangMLAAttention(nn.Module):
         w_uk, w_uv = self.absorption.w_uk, self.absorption.w_uv
         if w_uk is None:
             raise RuntimeError(f"{self.spec.layer_name}: W_UK/W_UV are not split yet")
-        q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)
-        q = torch.cat([q_latent, q_pe], dim=-1)
+        q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)
         k = torch.cat([kv_c, k_pe], dim=-1).unsqueeze(1)
         out = self.attn(q.flatten(1), k, kv_c.unsqueeze(1), current_forward_batch())
-        out = out.view(-1, self.spec.num_heads, self.latent_dim)
-        return torch.einsum("thl,hvl->thv", out, w_uv)
+        return expand_latent_output(out.view(-1, self.spec.num_heads, self.latent_dim), w_uv)
 
 
 LAYER_FOR_ATTENTION = {"MHA": SglangAttention, "MLA": SglangMLAAttention}

@@ -116,6 +116,7 @@ def to_atom_metadata(cm: CommonAttentionMetadata) -> AttentionMetadata:
         max_seq_len=cm.max_seq_len,
         query_start_loc_cpu=cm.query_start_loc_cpu[: num_reqs + 1],
         seq_lens_cpu=cm.seq_lens[:num_reqs] if on_host else None,
+        positions=cm.positions,
     )
 
 
@@ -163,9 +164,10 @@ class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AttentionMetadata]):
 class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
     """Writes K/V into the paged cache, then ATOM's paged attention over it.
 
-    vLLM's attention op passes only q, k and v. ATOM's layer (`VllmAttention`) binds the
-    model's q/k norm + rotary (`qk_rope`) once and sets `positions` before each call; with
-    both, q and k arrive raw and are rotated in the same kernel that writes the cache.
+    vLLM's attention op passes only q, k and v. For a layer built with the model's q/k
+    norm + rotary (`qk_rope`, an extra impl argument of vLLM's `Attention`), q and k
+    arrive raw and are rotated, with the step metadata's `positions`, in the same kernel
+    that writes the cache.
     """
 
     def __init__(
@@ -180,6 +182,7 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
+        qk_rope: QKRope | None = None,
         **extra_impl_args,
     ) -> None:
         unsupported = []
@@ -207,8 +210,7 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
         self.num_calls = 0  # for tests and logs: proof that this impl ran
-        self.qk_rope: QKRope | None = None
-        self.positions: torch.Tensor | None = None
+        self.qk_rope = qk_rope
 
     def forward(
         self,
@@ -243,6 +245,16 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
             qk_rope=self.qk_rope,
-            positions=self.positions,
+            positions=self._positions(attn_metadata),
             out=output,
         )
+
+    def _positions(self, metadata: AttentionMetadata) -> torch.Tensor | None:
+        if self.qk_rope is None:
+            return None
+        if metadata.positions is None:
+            raise RuntimeError(
+                "ATOM's fused rotary needs token positions; vLLM's CommonAttentionMetadata "
+                "had none for this step"
+            )
+        return metadata.positions

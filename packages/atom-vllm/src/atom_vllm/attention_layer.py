@@ -40,13 +40,13 @@ class VllmAttention(nn.Module):
             prefix=spec.layer_name,
             attn_backend=AtomAttentionBackend,
             head_size_v=spec.v_head_dim if spec.v_head_dim != spec.head_dim else None,
+            qk_rope=spec.qk_rope,
         )
         if spec.sliding_window is None and self.attn.sliding_window is not None:
             # vLLM falls back to the model-wide window; ATOM's spec is per layer and
             # says this layer attends to everything.
             self.attn.sliding_window = None
             self.attn.impl.sliding_window = None
-        self.attn.impl.qk_rope = spec.qk_rope
 
     def forward(
         self,
@@ -56,9 +56,8 @@ class VllmAttention(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         spec = self.spec
-        # vLLM's op carries only q, k, v; the impl reads this step's positions from here
-        # (ATOM's model runs eagerly in vLLM, so the call below consumes them at once).
-        self.attn.impl.positions = positions
+        # vLLM's op carries only q, k, v: the impl takes this step's positions from its
+        # metadata (vLLM's CommonAttentionMetadata.positions), the same tensor as these.
         out = self.attn(q, k, v)
         return out.view(-1, spec.num_heads, spec.v_head_dim)
 

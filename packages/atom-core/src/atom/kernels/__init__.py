@@ -13,6 +13,8 @@ from atom.kernels.fp8 import (
 from atom.kernels.fused_qkv import fused_qkv_rope_write_kv
 from atom.kernels.kv_cache import write_kv_cache
 from atom.kernels.mla import (
+    absorb_query,
+    expand_latent_output,
     mla_attention,
     mla_decode_attention,
     mla_prefill_attention,
@@ -25,9 +27,11 @@ from atom.kernels.rotary import apply_rotary_emb, compute_cos_sin_cache
 
 __all__ = [
     "FP8_DTYPE",
+    "absorb_query",
     "apply_rotary_emb",
     "compute_cos_sin_cache",
     "dequantize_fp8",
+    "expand_latent_output",
     "fp8_scaled_mm",
     "fused_add_rms_norm",
     "fused_moe",

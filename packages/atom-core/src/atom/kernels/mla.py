@@ -42,6 +42,16 @@ def _sequences(
             yield i, starts[i] - base, starts[i + 1] - base, seq_lens[i]
 
 
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, H, Dn] folded through W_UK into the latent space: [T, H, L]."""
+    return torch.einsum("thd,hdl->thl", q_nope, w_uk)
+
+
+def expand_latent_output(latent_out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """An absorbed step's latent output [T, H, L] through W_UV: [T, H, Dv]."""
+    return torch.einsum("thl,hvl->thv", latent_out, w_uv)
+
+
 def _query_positions(begin: int, end: int, seq_len: int, device: torch.device) -> torch.Tensor:
     return torch.arange(seq_len - (end - begin), seq_len, device=device)
 
@@ -158,11 +168,11 @@ def mla_attention(
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
     num_decode_tokens = metadata.num_decode_tokens
     if metadata.num_decodes:
-        q_latent = torch.einsum("thd,hdl->thl", q_nope[:num_decode_tokens], w_uk)
+        q_latent = absorb_query(q_nope[:num_decode_tokens], w_uk)
         latent_out = mla_decode_attention(
             q_latent, q_pe[:num_decode_tokens], kv_cache, metadata, scale
         )
-        out[:num_decode_tokens] = torch.einsum("thl,hvl->thv", latent_out, w_uv)
+        out[:num_decode_tokens] = expand_latent_output(latent_out, w_uv)
     if metadata.num_prefills:
         mla_prefill_attention(
             q_nope[num_decode_tokens:],
