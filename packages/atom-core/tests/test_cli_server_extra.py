@@ -1,5 +1,5 @@
-"""`atom serve` on an install without the `server` extra: one line naming the extra, no
-traceback, a non-zero exit status, and no attempt to load the model first."""
+"""`atom serve` and `atom demo` on an install without the `server` extra: one line naming
+the extra, no traceback, a non-zero exit status, and no attempt to load a model first."""
 
 from __future__ import annotations
 
@@ -28,13 +28,18 @@ BLOCKER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("blocked", [("fastapi", "starlette", "uvicorn"), ("uvicorn",)])
-def test_serve_without_server_extra_says_how_to_install_it(tmp_path, blocked):
+@pytest.mark.parametrize(
+    ("command", "blocked"),
+    [("serve", ("fastapi", "starlette", "uvicorn")), ("serve", ("uvicorn",)),
+     ("demo", ("httpx",))],
+)  # fmt: skip
+def test_server_commands_without_server_extra_say_how_to_install_it(tmp_path, command, blocked):
     (tmp_path / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(blocked)))
     missing = tmp_path / "no-such-model"  # never read: the check comes before the model
+    args = [str(missing)] if command == "serve" else ["--out", str(tmp_path / "demo")]
     path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
     result = subprocess.run(
-        [sys.executable, "-m", "atom.cli", "serve", str(missing)],
+        [sys.executable, "-m", "atom.cli", command, *args],
         env={**os.environ, "PYTHONPATH": os.pathsep.join(path)},
         capture_output=True,
         text=True,
@@ -45,6 +50,7 @@ def test_serve_without_server_extra_says_how_to_install_it(tmp_path, blocked):
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
+    assert lines[0].startswith(f"atom {command}: ")
     assert 'pip install "atom-core[server]"' in lines[0]
     # Names a module the blocker hid (so the blocker worked and the message is about it).
     assert any(f"({name} is missing)" in lines[0] for name in blocked), lines[0]

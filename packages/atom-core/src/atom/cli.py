@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _demo(args: argparse.Namespace) -> None:
+    require_server_extra("demo", "httpx", "uvicorn", "atom.server")  # its HTTP round trip
     from atom.demo import run_demo
 
     run_demo(args.out)
@@ -66,22 +68,28 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 # Top-level modules that only the `server` extra brings (with their own dependencies).
-SERVER_EXTRA_MODULES = frozenset({"fastapi", "starlette", "pydantic", "uvicorn", "jinja2"})
+SERVER_EXTRA_MODULES = frozenset({"fastapi", "starlette", "pydantic", "uvicorn", "jinja2", "httpx"})
 SERVER_EXTRA_HINT = 'pip install "atom-core[server]"'
 
 
-def _serve(args: argparse.Namespace) -> None:
+def require_server_extra(command: str, *modules: str) -> None:
+    """Imports `modules` before any model loads (some are imported only later, inside
+    the server); a missing `server`-extra module ends `command` with one line."""
     try:
-        import uvicorn  # noqa: F401  (run_server imports it later; check before loading a model)
-
-        from atom.server import run_server
+        for module in modules:
+            importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in SERVER_EXTRA_MODULES:
             raise
         raise SystemExit(
-            f"atom serve: the HTTP server needs the `server` extra ({exc.name} is missing): "
-            f"{SERVER_EXTRA_HINT}"
+            f"atom {command}: the HTTP server needs the `server` extra ({exc.name} is "
+            f"missing): {SERVER_EXTRA_HINT}"
         ) from None
+
+
+def _serve(args: argparse.Namespace) -> None:
+    require_server_extra("serve", "uvicorn", "atom.server")
+    from atom.server import run_server
 
     kwargs = engine_kwargs(args)
     run_server(
