@@ -243,6 +243,17 @@ def test_external_model_package_offers_every_served_architecture():
     assert names == sorted(atom_sglang.served_architectures())
 
 
+def test_every_sglang_capable_registry_entry_gets_the_adapter_of_its_attention_kind():
+    from atom.registry import all_models
+
+    sglang_entries = [e for e in all_models() if "sglang" in e.hosts]
+    assert sglang_entries
+    for entry in sglang_entries:
+        adapter = adapter_for(entry)
+        assert (adapter.attention, adapter.kv_pool) == (entry.attention, entry.attention.lower())
+    assert set(atom_sglang.served_architectures()) <= {e.architecture for e in sglang_entries}
+
+
 def test_adapters_declare_pool_and_attention_kind():
     from atom.registry import get_entry
 

@@ -1,6 +1,7 @@
-"""Per-family needs of ATOM models in SGLang, declared here instead of branched on.
+"""What an ATOM model needs in SGLang, derived from `atom.registry` (no table of its own).
 
-The wrapper (`atom_sglang.model`) reads one `SglangAdapter` per architecture family:
+The wrapper (`atom_sglang.model`) reads one `SglangAdapter` per architecture, chosen by
+the registry entry's attention kind:
 
 * `attention`: the ATOM impl contract the family's layers use ("MHA": forward(q, k, v);
   "MLA": forward(q_nope, q_pe, kv_c, k_pe)), which picks the SGLang layer built for it.
@@ -27,16 +28,11 @@ class SglangAdapter:
     fuse_qk_rope: bool = False
 
 
-MHA_FUSED_ROPE = SglangAdapter(attention="MHA", kv_pool="mha", fuse_qk_rope=True)
-MLA_LATENT = SglangAdapter(attention="MLA", kv_pool="mla")
-
-_BY_FAMILY = {
-    "Llama 2 / 3.x": MHA_FUSED_ROPE,
-    "Qwen3": MHA_FUSED_ROPE,
-    "Qwen3-MoE": MHA_FUSED_ROPE,
-    "Mixtral": MHA_FUSED_ROPE,
-    "DeepSeek-V2": MLA_LATENT,
-    "DeepSeek-V3": MLA_LATENT,
+# A layer without `spec.qk_rope` is rotated by ATOM's layer itself, so fusing is only
+# ever an offer: every MHA family takes it.
+BY_ATTENTION = {
+    "MHA": SglangAdapter(attention="MHA", kv_pool="mha", fuse_qk_rope=True),
+    "MLA": SglangAdapter(attention="MLA", kv_pool="mla"),
 }
 
 
@@ -46,18 +42,13 @@ class NoSglangAdapter(LookupError):
 
 def adapter_for(entry: ModelEntry) -> SglangAdapter:
     try:
-        adapter = _BY_FAMILY[entry.family]
+        return BY_ATTENTION[entry.attention]
     except KeyError:
         raise NoSglangAdapter(
-            f"ATOM's {entry.architecture} ({entry.family}) has no SGLang adapter"
+            f"ATOM's {entry.architecture} uses {entry.attention} attention, which "
+            f"atom-sglang has no SGLang layer for (it has: {', '.join(BY_ATTENTION)})"
         ) from None
-    if adapter.attention != entry.attention:
-        raise NoSglangAdapter(
-            f"SGLang adapter of {entry.family} is {adapter.attention}, "
-            f"the registry says {entry.attention}"
-        )
-    return adapter
 
 
 def has_adapter(entry: ModelEntry) -> bool:
-    return entry.family in _BY_FAMILY
+    return entry.attention in BY_ATTENTION
