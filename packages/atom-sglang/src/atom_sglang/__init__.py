@@ -27,14 +27,7 @@ import importlib.metadata
 import logging
 
 from atom.hosts import plugin as hosts_plugin
-from atom.hosts.plugin import (
-    HostRange,
-    PluginLog,
-    UnsupportedHostVersion,
-    check_host_version,
-    env_flag,
-    env_flag_off,
-)
+from atom.hosts.plugin import HostRange, PluginLog, check_host_version, env_flag, env_flag_off
 
 __version__ = "0.1.0"
 
@@ -116,15 +109,12 @@ def register() -> None:
     if _registered is not None:
         return
     version = sglang_version()
-    try:
-        supported = check_host_version(SUPPORTED, version, env_flag_off(DISABLE_ENV), _say)
-    except UnsupportedHostVersion:
+    if not SUPPORTED.admits(version):
         _registered = []
         _refuse_requested_launches()
-        raise
-    if not supported:
-        _registered = []
-        _refuse_requested_launches()
+        # One log line, or (ATOM requested) UnsupportedHostVersion for SGLang's loader to
+        # log; the launch check just installed is what stops a requested launch.
+        check_host_version(SUPPORTED, version, env_flag_off(DISABLE_ENV), _say)
         return
     try:
         from atom_sglang.patches import apply_patches

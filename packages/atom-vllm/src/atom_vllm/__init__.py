@@ -10,8 +10,9 @@ the config hooks of `atom_vllm.patches`.
 `ATOM_DISABLE_VLLM_PLUGIN=1` turns the plugin off in every process (vLLM then runs its
 own classes). On a vLLM outside `SUPPORTED` (the tested range) the plugin logs one line
 and registers nothing; `ATOM_DISABLE_VLLM_PLUGIN=0` (ATOM asked for explicitly) turns
-that into an `UnsupportedHostVersion` error naming both versions. Per run, `model_impl="vllm"` (`--model-impl vllm`) makes the registered
-classes build vLLM's own implementation instead; `"auto"` and `"atom"` run ATOM's.
+that into an `UnsupportedHostVersion` error naming both versions. Per run,
+`model_impl="vllm"` (`--model-impl vllm`) makes the registered classes build vLLM's own
+implementation instead; `"auto"` and `"atom"` run ATOM's.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ timed generation (greedy, ignore_eos, fixed output length). Events go to stdout 
 `BENCH_EVENT {json}` lines, which the parent shows as progress and collects as results.
 
 The host (vLLM, SGLang) is imported by the name the job gives, in this process only:
-`atom` itself never depends on a host (DESIGN.md §1); the bench launches hosts as peers.
+`atom` itself never depends on a host (docs/architecture.md); the bench launches hosts as
+peers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from atom.bench.report import median_run
 from atom.bench.workloads import Workload, make_prompts, warmup_workload
 
 EVENT = "BENCH_EVENT "
+
+
+def engine_dtype(device: str) -> str:
+    """Every engine runs bfloat16 on a GPU; on the CPU only ATOM runs, in float32."""
+    return "float32" if device == "cpu" else "bfloat16"
 
 
 def emit(event: str, **fields) -> None:
@@ -48,7 +54,7 @@ class AtomEngine:
 
         self.params = SamplingParams
         kwargs = dict(
-            dtype="bfloat16" if job["device"] != "cpu" else "float32",
+            dtype=engine_dtype(job["device"]),
             device=job["device"],
             max_model_len=job["max_model_len"],
             skip_tokenizer_init=True,

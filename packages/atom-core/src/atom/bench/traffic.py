@@ -26,6 +26,7 @@ engine's row divides the same numerator by its own measured time. The model of t
 
 from __future__ import annotations
 
+from atom.bench.driver import engine_dtype
 from atom.bench.shapes import Shape
 from atom.bench.workloads import Workload
 
@@ -33,9 +34,12 @@ from atom.bench.workloads import Workload
 WEIGHT_MODELS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
+ELEMENT_BYTES = {"bfloat16": 2, "float32": 4}
+
+
 def element_bytes(device: str) -> int:
-    """The driver loads every engine in bfloat16 on a GPU, ATOM in float32 on the CPU."""
-    return 4 if device == "cpu" else 2
+    """Bytes per weight and KV element at the dtype the driver loads the engines in."""
+    return ELEMENT_BYTES[engine_dtype(device)]
 
 
 def _head_dim(fields: dict) -> int:
