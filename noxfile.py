@@ -124,6 +124,7 @@ def docs(session: nox.Session) -> None:
     install_core(session)
     session.install("mkdocs")
     session.run("python", "docs/gen_models.py", "docs/models.md")
+    session.run("python", "docs/gen_plugin_pages.py", "docs/plugins")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
 
 

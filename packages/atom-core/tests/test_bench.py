@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from atom.bench.agreement import agreement, format_agreement
 from atom.bench.engines import ENGINES, engine_env, parse_engines
 from atom.bench.profile import summarize
 from atom.bench.report import (
@@ -155,8 +156,32 @@ def test_report_ratios_table_and_json(tmp_path):
     assert table[3].split()[-4:] == ["125.0", "12.50", "375.0", "1.250"]
     assert table[4].split()[-4:] == ["50.0", "-", "150.0", "-"]
     assert "failed" in table[5]
-    write_json(tmp_path / "b.json", {"seed": 0}, results)
+    write_json(tmp_path / "b.json", {"seed": 0}, results, [])
     assert json.loads((tmp_path / "b.json").read_text())["results"][1]["ratio"] == 1.25
+
+
+def test_greedy_agreement_pairs_each_atom_engine_with_its_host():
+    def sample(engine: str, tokens: list[list[int]]) -> dict:
+        return dict(shape="s", workload="2x8->4", engine=engine, greedy_sample=tokens)
+
+    same = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    results = [
+        sample("vllm", same),
+        sample("vllm-atom", [[1, 2, 3, 4], [5, 6, 0, 8]]),  # parts after two tokens
+        sample("sglang", same),
+        sample("sglang-atom", same),
+        sample("atom", [[9, 2, 3, 4], [5, 6, 7, 8]]),  # compared with the baseline
+    ]
+    rows = {(r["engine"], r["reference"]): r for r in agreement(results, "vllm")}
+    assert set(rows) == {("vllm-atom", "vllm"), ("sglang-atom", "sglang"), ("atom", "vllm")}
+    assert (
+        rows["vllm-atom", "vllm"]["identical"],
+        rows["vllm-atom", "vllm"]["mean_common_prefix"],
+    ) == (1, 3.0)
+    assert rows["sglang-atom", "sglang"]["identical"] == 2
+    assert rows["atom", "vllm"]["mean_common_prefix"] == 2.0
+    text = format_agreement(list(rows.values()))
+    assert "vllm-atom vs vllm: 1/2 prompts identical, mean common prefix 3.0 of 4 tokens" in text
 
 
 def test_rounds_report_each_engines_median_round_and_keep_failures():

@@ -601,7 +601,7 @@ def test_atom_model_config_restores_what_sglang_pads_on_cpu(tmp_path):
     from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
 
     from atom.testing import tiny_config, write_checkpoint
-    from atom_sglang.model import atom_model_config
+    from atom_sglang.config import atom_model_config
 
     config = tiny_config("Qwen3MoeForCausalLM", moe_intermediate_size=48, intermediate_size=200)
     model_config = ModelConfig(str(write_checkpoint(config, tmp_path)))

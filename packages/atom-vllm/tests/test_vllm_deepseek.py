@@ -59,7 +59,7 @@ def test_mla_greedy_tokens_equal_hf(runs, checkpoints, arch):
     assert probe["attention"], "no attention layer found"
     for layer in probe["attention"]:
         assert layer["layer_class"] == "VllmMLAAttention"
-        assert layer["backend"] == "atom_vllm.mla.AtomMLABackend"
+        assert layer["backend"] == "atom_vllm.backend.AtomMLABackend"
         assert layer["impl"] == "NativeMLAImpl"
         assert layer["calls"] > 0
         # [num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]: ATOM's latent

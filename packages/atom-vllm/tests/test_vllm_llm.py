@@ -111,7 +111,7 @@ def test_atom_model_and_backend_ran(runs, arch):
         f"model.layers.{i}.self_attn.attn" for i in range(len(layers))
     ]
     for layer in layers:
-        assert layer["backend"] == "atom_vllm.attention.AtomAttentionBackend"
+        assert layer["backend"] == "atom_vllm.backend.AtomAttentionBackend"
         assert layer["backend_name"] == "CUSTOM"
         assert layer["impl"] == "AtomAttentionImpl"
         assert layer["calls"] > 0

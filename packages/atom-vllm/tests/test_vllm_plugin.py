@@ -19,7 +19,7 @@ from atom.forward_context import AttentionMetadata
 from atom.kernels.paged_attention import attention_mask, dense_attention
 from atom.registry import supported_architectures
 from atom_vllm import model as model_module
-from atom_vllm.attention import (
+from atom_vllm.backend import (
     AtomAttentionBackend,
     AtomAttentionImpl,
     AtomAttentionMetadataBuilder,
@@ -58,7 +58,7 @@ def test_register_serves_every_vllm_capable_architecture(fresh_plugin, caplog, c
     for arch in served:
         lazy = ModelRegistry.models[arch]
         assert (lazy.module_name, lazy.class_name) == ("atom_vllm.model", arch)
-    assert AttentionBackendEnum.CUSTOM.get_path() == "atom_vllm.attention.AtomAttentionBackend"
+    assert AttentionBackendEnum.CUSTOM.get_path() == "atom_vllm.backend.AtomAttentionBackend"
     assert AttentionBackendEnum.CUSTOM.get_class() is AtomAttentionBackend
     assert AttentionBackendEnum[AtomAttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM
     # Through vLLM's logger once vLLM has configured logging, to stderr before.
@@ -87,6 +87,21 @@ def test_decode_graphs_cover_max_num_seqs_for_atom_models(
     )
     vllm_config = engine_args.create_engine_config()
     assert vllm_config.compilation_config.max_cudagraph_capture_size == expected
+
+
+def test_uncapturable_model_turns_cuda_graphs_off_in_its_engine_config(caplog):
+    """A model with ATOM ops that cannot be captured sets its engine's cudagraph_mode to
+    NONE (vLLM's runner reads it after building the model); nothing else changes."""
+    from vllm.config import CUDAGraphMode, VllmConfig
+
+    from atom_vllm.model import keep_eager
+
+    config = VllmConfig()
+    # As vLLM resolves it on a GPU (its CPU platform resolves NONE).
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    keep_eager(config, "Qwen3MoeForCausalLM", ["fused_moe (torch)"])
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert "not capturable: fused_moe (torch)" in caplog.text
 
 
 def test_config_hooks_keep_vllm_own_hook(fresh_plugin, monkeypatch):
@@ -320,7 +335,7 @@ def test_impl_rejects_what_it_cannot_do():
 
 
 def test_mla_backend_declares_latent_cache():
-    from atom_vllm.mla import AtomMLABackend, AtomMLAMetadataBuilder
+    from atom_vllm.backend import AtomMLABackend, AtomMLAMetadataBuilder
 
     assert AtomMLABackend.is_mla() and AtomMLABackend.get_name() == "CUSTOM"
     assert AtomMLABackend.get_builder_cls() is AtomMLAMetadataBuilder

@@ -11,10 +11,13 @@ attention backend the engine runs (`"atom"`, or SGLang's own) does the paged-KV 
   `positions=`: under ATOM's backend they travel with the call (`RadixAttention` hands
   extra keywords to the backend) and one kernel rotates them and writes the cache; under
   another backend the layer rotates them first.
-* MLA (DeepSeek): `forward(q_nope, q_pe, kv_c, k_pe) -> [T,H,Dv]` in SGLang's absorbed
-  form: q_nope goes through W_UK into the latent space, the cached row is the latent
-  plus the rope key (`MLATokenToKVPool`), and the latent output goes through W_UV.
-  W_UK / W_UV are split from kv_b_proj by ATOM's own `NativeMLAImpl`.
+* MLA (DeepSeek): `forward(q_nope, q_pe, kv_c, k_pe) -> [T,H,Dv]`. Under ATOM's backend
+  the layer runs ATOM's MLA step (`atom.layers.mla_impl.NativeMLAImpl`, as natively and
+  in vLLM: latent cache write, absorbed decode, up-projected prefill) over its layer's
+  rows of SGLang's `MLATokenToKVPool`, with the step's metadata. Under another backend it
+  calls SGLang's attention in SGLang's absorbed form: q_nope through W_UK into the latent
+  space, the cached row is latent + rope key, the latent output goes through W_UV.
+  Either way W_UK / W_UV are the impl's split of kv_b_proj.
 """
 
 from __future__ import annotations
@@ -99,11 +102,11 @@ class _SplitAbsorptionWeights:
 
     @staticmethod
     def process_weights_after_loading(layer: SglangMLAAttention) -> None:
-        layer.absorption.process_weights_after_loading()
+        layer.impl.process_weights_after_loading()
 
 
 class SglangMLAAttention(nn.Module):
-    """ATOM MLA impl contract over an SGLang `RadixAttention` in absorbed form."""
+    """ATOM MLA impl contract over SGLang's MLA pool and attention backends."""
 
     quant_method = _SplitAbsorptionWeights()
 
@@ -120,13 +123,15 @@ class SglangMLAAttention(nn.Module):
             v_head_dim=spec.kv_lora_rank,
             prefix=spec.layer_name,
         )
-        # Only its W_UK / W_UV split is used: SGLang's pool and backend do the rest.
-        self.absorption = NativeMLAImpl(spec)
+        self.impl = NativeMLAImpl(spec)
 
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
-        w_uk, w_uv = self.absorption.w_uk, self.absorption.w_uv
+        backend = get_attn_backend()
+        if isinstance(backend, AtomAttnBackend):
+            return backend.run_mla_impl(self.attn.layer_id, self.impl, q_nope, q_pe, kv_c, k_pe)
+        w_uk, w_uv = self.impl.w_uk, self.impl.w_uv
         if w_uk is None:
             raise RuntimeError(f"{self.spec.layer_name}: W_UK/W_UV are not split yet")
         q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)

@@ -9,10 +9,12 @@ policy picks torch on CPU, Triton on GPU), over the pool viewed as pages:
 
 * MHA pool (`MHATokenToKVPool`, NHD layout): key/value `[slots, Hkv, D]` per layer
   -> `[slots / P, P, Hkv, D]`, `atom.kernels.paged_attention`.
-* MLA pool (`MLATokenToKVPool`): one latent row `[slots, 1, L + R]` per token. SGLang's
-  MLA layers call attention in the weight-absorbed form (q `[T, H, L + R]`, values =
-  the first L channels): decode steps run `atom.kernels.mla_decode_attention`, extend
-  steps the same latent-space MQA through `paged_attention`.
+* MLA pool (`MLATokenToKVPool`): one latent row `[slots, 1, L + R]` per token, which
+  `mla_cache` views as ATOM's MLA cache. ATOM's MLA layers run ATOM's MLA step over it
+  (`atom_sglang.attention_layer`). SGLang's own MLA layers call attention in the
+  weight-absorbed form (q `[T, H, L + R]`, values = the first L channels): decode steps
+  run `atom.kernels.mla_decode_attention`, extend steps the same latent-space MQA
+  through `paged_attention`.
 
 CUDA graphs (decode): `init_cuda_graph_state` allocates static metadata buffers;
 `init_forward_metadata_out_graph` refills them from the (padded) batch before capture
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from atom.forward_context import AttentionMetadata
+from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.hosts.token_table import (
     block_table_from_token_table,
     metadata_from_token_table,
@@ -36,6 +38,7 @@ from atom.hosts.token_table import (
 )
 from atom.kernels import mla_decode_attention, paged_attention, write_mla_cache
 from atom.kernels.policy import selected_backend
+from atom.layers.mla_impl import NativeMLAImpl
 from atom.layers.paged_attention_impl import write_kv_and_attend
 
 BACKEND_NAME = "atom"
@@ -164,12 +167,7 @@ class AtomAttnBackend(AttentionBackend):
     def _attend(self, q, k, v, layer, save_kv_cache: bool, qk_rope=None, positions=None):
         """`qk_rope` and `positions` (from `SglangAttention` of a fusing family): q and k
         are raw, and rotate in the kernel that writes the cache."""
-        metadata = self.forward_metadata
-        if metadata is None:
-            raise RuntimeError("ATOM attention backend: no metadata for this forward")
-        self.num_calls += 1
-        if self.num_calls == 1:
-            logger.info("ATOM attention backend: first attention call (layer %d)", layer.layer_id)
+        metadata = self._step_metadata(layer.layer_id)
         if self.is_mla:
             return self._attend_mla(q, k, layer, metadata, save_kv_cache)
         if layer.logit_capping_method not in (None, "tanh"):
@@ -207,11 +205,34 @@ class AtomAttnBackend(AttentionBackend):
             )
         return out.view(q.shape[0], -1)
 
+    def _step_metadata(self, layer_id: int) -> AttentionMetadata:
+        metadata = self.forward_metadata
+        if metadata is None:
+            raise RuntimeError("ATOM attention backend: no metadata for this forward")
+        self.num_calls += 1
+        if self.num_calls == 1:
+            logger.info("ATOM attention backend: first attention call (layer %d)", layer_id)
+        return metadata
+
+    def mla_cache(self, layer_id: int) -> torch.Tensor:
+        """Layer `layer_id`'s latent rows as ATOM's MLA cache `[pages, page, L + R]`."""
+        rows = self.token_to_kv_pool.get_key_buffer(layer_id)  # [slots, 1, L + R]
+        return paged_view(rows.squeeze(1), self.page_size)
+
+    def run_mla_impl(self, layer_id: int, impl: NativeMLAImpl, *inputs) -> torch.Tensor:
+        """ATOM's MLA step (`impl`: latent cache write, absorbed decode, up-projected
+        prefill) for an ATOM MLA layer, over its rows of SGLang's pool."""
+        metadata = self._step_metadata(layer_id)
+        impl.bind_kv_cache(self.mla_cache(layer_id))
+        with set_forward_context(metadata):
+            return impl(*inputs)
+
     def _attend_mla(self, q, k, layer, metadata, save_kv_cache: bool) -> torch.Tensor:
-        """Absorbed MLA: q [T, H, L + R], k [T, 1, L + R] (latent + rope key) -> [T, H*L]."""
+        """SGLang's absorbed MLA call (its own DeepSeek models): q [T, H, L + R],
+        k [T, 1, L + R] (latent + rope key) -> [T, H*L]. ATOM's MLA layers do not come
+        here: they run ATOM's MLA step over `mla_cache` themselves."""
         latent_dim = layer.v_head_dim
-        rows = self.token_to_kv_pool.get_key_buffer(layer.layer_id)  # [slots, 1, L + R]
-        kv_cache = paged_view(rows.squeeze(1), self.page_size)
+        kv_cache = self.mla_cache(layer.layer_id)
         num_tokens = metadata.num_tokens
         q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if save_kv_cache and k is not None:

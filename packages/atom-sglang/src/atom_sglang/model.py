@@ -5,7 +5,7 @@ architecture (SGLang keys its model registry by class name). SGLang constructs i
 `(config=hf_config, quant_config=...)` under its default dtype and device, then:
 
 * config: ATOM's model is built from SGLang's HF config with the checkpoint's true MLP
-  sizes (`atom_model_config`: SGLang's CPU loader pads them);
+  sizes (`atom_sglang.config`: SGLang's CPU loader pads them);
 * TP: SGLang's tensor-parallel group is installed as ATOM's (`atom.distributed`);
 * attention: the ATOM model is built inside `attention_backend(factory)`, so each ATOM
   attention layer owns an SGLang `RadixAttention` (`atom_sglang.attention_layer`), of
@@ -20,7 +20,6 @@ architecture (SGLang keys its model registry by class name). SGLang constructs i
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -41,6 +40,7 @@ from atom_sglang.attention_layer import (
     LAYER_FOR_ATTENTION,
     sglang_attention_factory,
 )
+from atom_sglang.config import UnsupportedSglangFeature, atom_model_config
 from atom_sglang.distributed import install_sglang_tp_group
 from atom_sglang.patches import (
     capture_decode_batches_up_to,
@@ -53,40 +53,6 @@ logger = logging.getLogger("sglang.atom_sglang.model")
 ATOM_MODEL_ATTR = "atom_model"
 # Decode batches up to this size run in CUDA graphs (atom_sglang.patches, change 3).
 DECODE_GRAPH_MAX_BS = 1024
-# The sizes SGLang's CPU loader (`adjust_config_with_unaligned_cpu_tp`, 0.5.21) rounds up
-# to a multiple of tp * 32 for its CPU kernels, keeping the checkpoint's value as
-# `original_<name>`. The checkpoint's tensors have the true size, and so must ATOM's
-# layers. (It also records `original_num_attention_heads`; head counts are left alone,
-# since SGLang sizes its KV pool from the padded ones.)
-CPU_PADDED_SIZES = (
-    "intermediate_size",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-    "intermediate_size_mlp",
-)
-
-
-class UnsupportedSglangFeature(NotImplementedError):
-    """An SGLang setting ATOM's wrapper cannot honour (ATOM_DISABLE_SGLANG_PLUGIN=1)."""
-
-
-def atom_model_config(config: Any) -> Any:
-    """`config` with the checkpoint's sizes where SGLang padded them (`CPU_PADDED_SIZES`);
-    `config` itself when nothing was padded. A copy, because SGLang's own code (its
-    `LogitsProcessor`, MoE set-up) keeps reading the padded one."""
-    true_sizes = {
-        name: getattr(config, f"original_{name}")
-        for name in CPU_PADDED_SIZES
-        if getattr(config, f"original_{name}", None) is not None
-        and getattr(config, name, None) != getattr(config, f"original_{name}")
-    }
-    if not true_sizes:
-        return config
-    restored = copy.deepcopy(config)
-    for name, value in true_sizes.items():
-        setattr(restored, name, value)
-    logger.info("ATOM builds the checkpoint's sizes SGLang padded: %s", true_sizes)
-    return restored
 
 
 class AtomForCausalLM(nn.Module):

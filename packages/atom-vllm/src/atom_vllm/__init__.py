@@ -25,7 +25,7 @@ from atom.hosts.plugin import HostRange, PluginLog, check_host_version, env_flag
 __version__ = "0.1.0"
 
 DISABLE_ENV = "ATOM_DISABLE_VLLM_PLUGIN"
-BACKEND_PATH = "atom_vllm.attention.AtomAttentionBackend"
+BACKEND_PATH = "atom_vllm.backend.AtomAttentionBackend"
 MODEL_MODULE = "atom_vllm.model"
 SUPPORTED = HostRange("vLLM", "0.32", "0.33")
 

@@ -24,6 +24,7 @@ from atom.bench.report import median_run
 from atom.bench.workloads import Workload, make_prompts, warmup_workload
 
 EVENT = "BENCH_EVENT "
+GREEDY_SAMPLE = 8  # prompts per workload whose tokens go to the report (atom.bench.agreement)
 
 
 def engine_dtype(device: str) -> str:
@@ -63,13 +64,12 @@ class AtomEngine:
             kwargs["gpu_memory_utilization"] = job["gpu_memory_utilization"]
         self.llm = LLM(model=job["model"], **kwargs, **job["options"])
 
-    def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         params = self.params(
             temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False
         )
-        return [
-            len(o.outputs[0].token_ids) for o in self.llm.generate(prompts, params, use_tqdm=False)
-        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
     trace = staticmethod(in_process_trace)
 
@@ -87,14 +87,14 @@ class VllmEngine:
         )
         self.llm = vllm.LLM(model=job["model"], **(defaults | job["options"]))
 
-    def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         params = self.params(
             temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False
         )
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
         )
-        return [len(o.outputs[0].token_ids) for o in outputs]
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
     # The bench runs vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0 when it profiles.
     trace = staticmethod(in_process_trace)
@@ -118,10 +118,10 @@ class SglangEngine:
         # --sglang-option KEY=VALUE overrides a default (e.g. log_level=info).
         self.engine = sglang.Engine(model_path=job["model"], **(defaults | job["options"]))
 
-    def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
         outputs = self.engine.generate(input_ids=prompts, sampling_params=params)
-        return [len(o["output_ids"]) for o in outputs]
+        return [list(o["output_ids"]) for o in outputs]
 
     @contextmanager
     def trace(self, stem: Path) -> Iterator[list[Path]]:
@@ -153,8 +153,9 @@ def timed_run(engine, job: dict, workload: Workload, seed: int, traced: bool) ->
     prompts = make_prompts(workload, job["vocab_size"], seed)
     with engine.trace(stem) if stem else nullcontext([]) as trace_files:
         t = time.perf_counter()
-        lengths = engine.generate(prompts, workload.output_len)
+        outputs = engine.generate(prompts, workload.output_len)
         elapsed = time.perf_counter() - t
+    lengths = [len(tokens) for tokens in outputs]
     if stem:
         report = Path(f"{stem}.txt")
         report.write_text(summarize(trace_files))
@@ -166,6 +167,8 @@ def timed_run(engine, job: dict, workload: Workload, seed: int, traced: bool) ->
         output_tok_s=output_tokens / elapsed,
         total_tok_s=(output_tokens + workload.num_prompts * workload.input_len) / elapsed,
         short_outputs=sum(n != workload.output_len for n in lengths),
+        # Every engine gets the same prompts for a seed: their greedy tokens are compared.
+        greedy_sample=outputs[:GREEDY_SAMPLE],
     )
 
 
@@ -189,6 +192,7 @@ def run(job: dict) -> None:
         # The profiler slows the traced run: the median is of the others where there are.
         untraced = runs[1:] if job.get("profile_dir") and repeats > 1 else runs
         result = median_run(untraced) | {
+            "greedy_sample": runs[0]["greedy_sample"],  # the first seed's, as every engine's
             "short_outputs": sum(r["short_outputs"] for r in runs),  # any run's, not hidden
             "repeats": repeats,
             "output_tok_s_runs": [r["output_tok_s"] for r in runs],

@@ -120,8 +120,9 @@ def format_table(results: list[dict], baseline: str) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path, settings: dict, results: list[dict]) -> None:
-    path.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
+def write_json(path: Path, settings: dict, results: list[dict], agreement: list[dict]) -> None:
+    body = {"settings": settings, "results": results, "greedy_agreement": agreement}
+    path.write_text(json.dumps(body, indent=2) + "\n")
 
 
 def write_plot(path: Path, results: list[dict], baseline: str) -> str | None:

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from atom.bench.agreement import agreement, format_agreement
 from atom.bench.driver import EVENT
 from atom.bench.engines import DEFAULT_ENGINES, ENGINES, EngineSpec, engine_env, parse_engines
 from atom.bench.report import add_ratios, format_table, median_rounds, write_json, write_plot
@@ -336,8 +337,11 @@ def main(args: argparse.Namespace) -> list[dict]:
     settings = {
         k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))
     }
-    write_json(out / "bench.json", settings, results)
+    same_tokens = agreement(results, args.baseline)
+    write_json(out / "bench.json", settings, results, same_tokens)
     print(format_table(results, args.baseline), flush=True)
+    if same_tokens:
+        print(format_agreement(same_tokens), flush=True)
     why_not = write_plot(out / "bench.png", results, args.baseline)
     print(why_not or f"plot: {out / 'bench.png'}")
     print(f"results: {out / 'bench.json'}", flush=True)

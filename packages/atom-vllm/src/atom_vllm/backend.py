@@ -1,4 +1,4 @@
-"""ATOM's attention backend for vLLM (MHA/GQA): backend, metadata builder, impl.
+"""ATOM's attention backends for vLLM: capabilities, metadata builder, MHA impl.
 
 * `AtomAttentionBackend` declares what the backend supports. vLLM owns the KV-cache
   layout: each layer gets a logical `[num_blocks, num_kv_heads, block_size, D + Dv]`
@@ -17,6 +17,9 @@ vLLM's `Attention` layer drives all of it: it allocates and binds the KV cache f
 layer's spec, builds one metadata object per step and KV-cache group, and calls the impl.
 The backend is registered under the static `AttentionBackendEnum.CUSTOM` member, so
 `get_name()` returns "CUSTOM" (vLLM's `Attention` looks the name up in that enum).
+
+`AtomMLABackend` declares ATOM's MLA path: the same builder and schema; its layer
+(`atom_vllm.attention_layer.VllmMLAAttention`) runs ATOM's MLA impl itself.
 """
 
 from __future__ import annotations
@@ -120,33 +123,16 @@ def to_atom_metadata(cm: CommonAttentionMetadata) -> AttentionMetadata:
     )
 
 
-# Parts of this worker's ATOM model that cannot be captured in a CUDA graph (torch
-# reference ops that read lengths or expert counts on the host; see
-# atom.cuda_graphs.graph_blockers). Set by the model wrapper, which is built
-# before vLLM creates the metadata builders and asks them about CUDA graphs.
-_model_graph_blockers: list[str] = []
-
-
-def set_model_graph_blockers(blockers: list[str]) -> None:
-    _model_graph_blockers[:] = blockers
-
-
 class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AttentionMetadata]):
     # The Triton decode kernel's launch grid depends only on the batch size, and it
     # reads seq_lens / block_table from vLLM's persistent buffers: pure-decode batches
     # can be captured in CUDA graphs. Mixed batches size their grids from host values.
+    # (A model with uncapturable ATOM ops turns CUDA graphs off in its own config:
+    # atom_vllm.model.)
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     )
     reorder_batch_threshold: int | None = 1
-
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        # vLLM captures the whole model's forward, so ATOM ops that cannot be captured
-        # (e.g. the torch MoE / MLA references on GPU) turn CUDA graphs off.
-        if _model_graph_blockers:
-            return AttentionCGSupport.NEVER
-        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -258,3 +244,24 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
                 "had none for this step"
             )
         return metadata.positions
+
+
+class AtomMLAMetadataBuilder(AtomAttentionMetadataBuilder):
+    """The MHA builder: MLA reads the same attention-metadata schema (docs/architecture.md)."""
+
+
+class AtomMLABackend(AtomBackendCapabilities):
+    """Capabilities of ATOM's MLA path; the layer runs ATOM's impl itself."""
+
+    @staticmethod
+    def get_impl_cls():
+        # vLLM's AttentionImpl interface is not used: VllmMLAAttention runs ATOM's impl.
+        raise NotImplementedError("ATOM's MLA layer runs atom.layers.mla_impl.NativeMLAImpl")
+
+    @staticmethod
+    def get_builder_cls() -> type[AtomMLAMetadataBuilder]:
+        return AtomMLAMetadataBuilder
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True

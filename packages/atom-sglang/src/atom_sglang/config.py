@@ -1,0 +1,50 @@
+"""Config bridge: the HF config ATOM builds its model from, out of SGLang's.
+
+SGLang constructs model classes with its parsed HF config. ATOM's model takes the same
+object, except where SGLang's CPU loader changed sizes that the checkpoint's tensors
+keep (`atom_model_config`). Features ATOM's wrapper does not implement fail with
+`UnsupportedSglangFeature`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+logger = logging.getLogger("sglang.atom_sglang.config")
+
+# The sizes SGLang's CPU loader (`adjust_config_with_unaligned_cpu_tp`, 0.5.21) rounds up
+# to a multiple of tp * 32 for its CPU kernels, keeping the checkpoint's value as
+# `original_<name>`. The checkpoint's tensors have the true size, and so must ATOM's
+# layers. (It also records `original_num_attention_heads`; head counts are left alone,
+# since SGLang sizes its KV pool from the padded ones.)
+CPU_PADDED_SIZES = (
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "intermediate_size_mlp",
+)
+
+
+class UnsupportedSglangFeature(NotImplementedError):
+    """An SGLang setting ATOM's wrapper cannot honour (ATOM_DISABLE_SGLANG_PLUGIN=1)."""
+
+
+def atom_model_config(config: Any) -> Any:
+    """`config` with the checkpoint's sizes where SGLang padded them (`CPU_PADDED_SIZES`);
+    `config` itself when nothing was padded. A copy, because SGLang's own code (its
+    `LogitsProcessor`, MoE set-up) keeps reading the padded one."""
+    true_sizes = {
+        name: getattr(config, f"original_{name}")
+        for name in CPU_PADDED_SIZES
+        if getattr(config, f"original_{name}", None) is not None
+        and getattr(config, name, None) != getattr(config, f"original_{name}")
+    }
+    if not true_sizes:
+        return config
+    restored = copy.deepcopy(config)
+    for name, value in true_sizes.items():
+        setattr(restored, name, value)
+    logger.info("ATOM builds the checkpoint's sizes SGLang padded: %s", true_sizes)
+    return restored
