@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pkgutil
 import random
 import re
 from types import SimpleNamespace
@@ -94,6 +95,30 @@ def test_register_serves_every_sglang_capable_architecture(fresh_plugin, caplog)
     assert "atom" in ATTENTION_BACKEND_CHOICES
     assert [t for t in HookRegistry._hooks if t == SUPPORT_TRITON]  # CPU engine only
     assert "serves LlamaForCausalLM" in logged(caplog)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        # Change 1 (atom_sglang.patches): the hooked function and SGLang's hook registry.
+        "sglang.srt.utils.common:support_triton",
+        "sglang.srt.plugins.hook_registry:HookRegistry.register",
+        "sglang.srt.plugins.hook_registry:HookType.AROUND",
+        # Changes 2 and 3: the published CUDA-graph config and SGLang's way to change it.
+        "sglang.srt.runtime_context:get_context",
+        "sglang.srt.runtime_context:RuntimeContext.override",
+        "sglang.srt.runtime_context:get_exec",
+        "sglang.srt.model_executor.cuda_graph_config:with_phase",
+        "sglang.srt.model_executor.cuda_graph_config:Phase.DECODE",
+        "sglang.srt.model_executor.cuda_graph_config:Backend.DISABLED",
+        "sglang.srt.arg_groups.cuda_graph_hook:generate_decode_cuda_graph_batch_sizes",
+        # The launch check (atom_sglang.guard): the resolution step it wraps.
+        "sglang.srt.arg_groups.resolution_hooks:register_resolution_hook",
+        "sglang.srt.arg_groups.platform_hook:handle_hardware_runtime_validation",
+    ],
+)
+def test_sglang_names_the_patches_rely_on_exist(name):
+    assert pkgutil.resolve_name(name) is not None
 
 
 def test_register_is_idempotent(fresh_plugin, monkeypatch):
@@ -447,6 +472,10 @@ def test_decode_cuda_graph_metadata_matches_eager():
         q.flatten(1), k_new.flatten(1), v_new.flatten(1), layer(hq, hkv, d, d), batch
     )
     torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+    # A replay refills the buffers and keeps the metadata built at capture.
+    captured = backend.forward_metadata
+    backend.init_forward_metadata_out_graph(batch)
+    assert backend.forward_metadata is captured
 
 
 @pytest.mark.parametrize("prefix_lens,new_lens", [([0, 6], [9, 4]), ([5, 13, 1], [1, 1, 1])])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pkgutil
 import random
 
 import pytest
@@ -94,14 +95,34 @@ def test_uncapturable_model_turns_cuda_graphs_off_in_its_engine_config(caplog):
     NONE (vLLM's runner reads it after building the model); nothing else changes."""
     from vllm.config import CUDAGraphMode, VllmConfig
 
-    from atom_vllm.model import keep_eager
+    from atom_vllm.patches import cuda_graphs_off
 
     config = VllmConfig()
     # As vLLM resolves it on a GPU (its CPU platform resolves NONE).
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-    keep_eager(config, "Qwen3MoeForCausalLM", ["fused_moe (torch)"])
+    cuda_graphs_off(config, "Qwen3MoeForCausalLM", ["fused_moe (torch)"])
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert "not capturable: fused_moe (torch)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        # Patch 1: the per-architecture config hook table and when vLLM reads it.
+        "vllm.model_executor.models.config:MODELS_CONFIG_MAP",
+        "vllm.model_executor.models.config:VerifyAndUpdateConfig.verify_and_update_config",
+        "vllm.config:VllmConfig.try_verify_and_update_config",
+        "vllm.config:VllmConfig._set_cudagraph_sizes",
+        # Patch 2: where the runner reads the CUDA-graph mode after building the model.
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model",
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._check_and_update_cudagraph_mode",
+        "vllm.config:CompilationConfig.resolve_cudagraph_mode_and_sizes",
+        # The backend slot register() overrides.
+        "vllm.v1.attention.backends.registry:AttentionBackendEnum.CUSTOM",
+    ],
+)
+def test_vllm_names_the_patches_rely_on_exist(name):
+    assert pkgutil.resolve_name(name) is not None
 
 
 def test_config_hooks_keep_vllm_own_hook(fresh_plugin, monkeypatch):

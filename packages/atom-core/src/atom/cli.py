@@ -11,17 +11,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="local folder with config.json and safetensors weights")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-bytes", type=int)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-model-len", type=int, help="default: the model's context")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size in bytes")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share to use"
+    )
     parser.add_argument("--max-num-seqs", type=int, help="default: 512 on GPU, 256 on CPU")
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="no KV block reuse")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="torch.compile the sampler")
-    parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument(
+        "--skip-tokenizer-init", action="store_true", help="token-id prompts only, no text"
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -87,18 +91,53 @@ def require_server_extra(command: str, *modules: str) -> None:
         ) from None
 
 
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    """`atom serve`'s own options, grouped for --help (the engine's come first)."""
+    http = serve.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    http.add_argument("--port", type=int, default=8000, help="checked before the model loads")
+    http.add_argument("--api-key", help="/v1 routes then need Authorization: Bearer KEY")
+    http.add_argument("--allowed-origins", nargs="+", default=["*"], help="CORS origins")
+    http.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS methods")
+    http.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS headers")
+    http.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
+    http.add_argument("--log-level", default="info", help="uvicorn's: debug, info, warning")
+    api = serve.add_argument_group("API")
+    api.add_argument("--served-model-name", help="the model name clients use (default: MODEL)")
+    api.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
+    limits = serve.add_argument_group("limits (a request over one gets a 4xx)")
+    limits.add_argument(
+        "--max-n", type=int, default=128, help="most choices per request: n, best_of, prompts x n"
+    )
+    limits.add_argument(
+        "--max-request-body-bytes", type=int, default=16 * 2**20, help="larger bodies get a 413"
+    )
+
+
 def _serve(args: argparse.Namespace) -> None:
     require_server_extra("serve", "uvicorn", "atom.server")
-    from atom.server import run_server
+    from atom.server import StartupError, run_server
 
     kwargs = engine_kwargs(args)
-    run_server(
-        kwargs.pop("model"),
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        **kwargs,
-    )
+    try:
+        run_server(
+            kwargs.pop("model"),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            served_model_name=args.served_model_name or args.model,
+            chat_template=args.chat_template,
+            api_key=args.api_key,
+            allowed_origins=tuple(args.allowed_origins),
+            allowed_methods=tuple(args.allowed_methods),
+            allowed_headers=tuple(args.allowed_headers),
+            allow_credentials=args.allow_credentials,
+            max_n=args.max_n,
+            max_request_body_bytes=args.max_request_body_bytes,
+            **kwargs,
+        )
+    except StartupError as exc:
+        raise SystemExit(f"atom serve: error: {exc}") from None
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -111,6 +150,50 @@ def _bench(args: argparse.Namespace) -> None:
         args.parser.error(str(exc))
     if any("error" in r for r in results):
         raise SystemExit("atom bench: some runs failed; see their logs above")
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("httpx") is None:
+        raise SystemExit(
+            f'atom bench {args.bench_command}: needs httpx: pip install "atom-core[bench]"'
+        )
+    from atom.bench.serve.run import main as run_serve_bench
+    from atom.bench.serve.suite import main as run_serve_suite
+    from atom.bench.workloads import BenchError
+
+    try:
+        (run_serve_suite if args.bench_command == "serve-suite" else run_serve_bench)(args)
+    except BenchError as exc:
+        args.parser.error(str(exc))
+
+
+def add_bench_serve_commands(bench: argparse.ArgumentParser) -> None:
+    """`atom bench serve` and `atom bench serve-suite`: online serving benchmarks."""
+    from atom.bench.serve.options import add_serve_arguments, add_suite_arguments
+
+    online = bench.add_subparsers(dest="bench_command", title="online serving (optional)")
+    serve = online.add_parser(
+        "serve",
+        help="a running OpenAI-compatible server under a Poisson rate sweep: TTFT, TPOT, ITL",
+        description="Streams completions to a running server (atom serve, vllm serve, "
+        "SGLang) at each request rate, prints TTFT/TPOT/ITL percentiles, throughput and "
+        "goodput, writes OUT/serve-LABEL.{json,md,png}; --compare merges such files. "
+        "See docs/benchmarks.md. Example: atom bench serve --base-url http://127.0.0.1:8000 "
+        "--workloads random:1024:128,sharegpt --rates 1,4,inf --max-concurrency 64",
+    )
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_bench_serve, parser=serve)
+    suite = online.add_parser(
+        "serve-suite",
+        help="start each engine's server in turn on random checkpoints and sweep it",
+        description="For each shape and engine: writes the random checkpoint (and a "
+        "tokenizer), starts the engine's OpenAI server, runs the `atom bench serve` sweep, "
+        "stops it; writes OUT/serve-suite.{json,md,png} side by side. See docs/benchmarks.md.",
+    )
+    add_suite_arguments(suite)
+    suite.set_defaults(func=_bench_serve, parser=suite)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,11 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int)
     generate.set_defaults(func=_generate)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", help="the model name clients use (default: MODEL)")
+    serve = commands.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serves MODEL over the OpenAI API (/v1/completions, /v1/chat/completions, "
+        "/v1/models) plus /tokenize, /detokenize, /version, /health and /metrics. "
+        "See docs/serving.md.",
+    )
+    add_engine_args(serve.add_argument_group("engine"))
+    add_serve_args(serve)
     serve.set_defaults(func=_serve)
 
     from atom.bench.run import add_arguments as add_bench_arguments
@@ -158,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench, parser=bench)
+    add_bench_serve_commands(bench)
     return parser
 
 

@@ -13,6 +13,8 @@ from atom.demo import write_demo_model
 from tests.server.server_process import MODEL, running_server
 
 ENGINE_KWARGS = {"dtype": "float32", "block_size": 16, "num_blocks": 256}
+# Small enough to test from the client side: choices per request, request body bytes.
+MAX_N, MAX_BODY_BYTES = 8, 12_000_000
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +25,13 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def server(checkpoint) -> str:
     """The base URL of the running server."""
-    options = {"served_model_name": MODEL, "log_level": "warning", **ENGINE_KWARGS}
+    options = {
+        "served_model_name": MODEL,
+        "log_level": "warning",
+        "max_n": MAX_N,
+        "max_request_body_bytes": MAX_BODY_BYTES,
+        **ENGINE_KWARGS,
+    }
     with running_server(str(checkpoint), **options) as url:
         yield url
 

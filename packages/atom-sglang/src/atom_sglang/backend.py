@@ -18,7 +18,8 @@ policy picks torch on CPU, Triton on GPU), over the pool viewed as pages:
 
 CUDA graphs (decode): `init_cuda_graph_state` allocates static metadata buffers;
 `init_forward_metadata_out_graph` refills them from the (padded) batch before capture
-and before every replay, so the captured kernels read the same addresses each time.
+and before every replay, so the captured kernels read the same addresses each time. The
+metadata object over them is built once per captured batch size.
 It serves SGLang's own models as well as ATOM's (any `RadixAttention` caller).
 """
 
@@ -72,6 +73,7 @@ class AtomAttnBackend(AttentionBackend):
         self.max_context_len = self.req_to_token.shape[1]
         self.forward_metadata: AttentionMetadata | None = None
         self.graph_buffers: dict[str, torch.Tensor] | None = None
+        self.graph_metadata: dict[int, AttentionMetadata] = {}  # by captured batch size
         self.num_calls = 0  # for tests and logs: proof that this backend ran
         logger.info(
             "ATOM attention backend: %s pool, page size %d, kernels: paged_attention=%s",
@@ -120,6 +122,7 @@ class AtomAttnBackend(AttentionBackend):
             "block_table": torch.zeros(max_bs, width, dtype=torch.int32, **kw),
             "slot_mapping": torch.zeros(max_num_tokens, dtype=torch.int64, **kw),
         }
+        self.graph_metadata = {}
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1  # padded rows: one key (slot 0, SGLang's padding slot)
@@ -144,17 +147,28 @@ class AtomAttnBackend(AttentionBackend):
             width * self.page_size,
             out=buffers["block_table"],
         )
-        # Graph-stable bounds: the kernels' launch grids must not depend on this batch.
-        self.forward_metadata = AttentionMetadata(
-            query_start_loc=buffers["query_start_loc"][: bs + 1],
-            seq_lens=buffers["seq_lens"][:bs],
-            block_table=buffers["block_table"][:bs],
-            slot_mapping=buffers["slot_mapping"][:bs],
-            num_decodes=bs,
-            num_decode_tokens=bs,
-            max_query_len=1,
-            max_seq_len=width * self.page_size,
-        )
+        self.forward_metadata = self._graph_metadata(bs)
+
+    def _graph_metadata(self, bs: int) -> AttentionMetadata:
+        """The metadata of the graph for `bs` requests, built once (at capture) over the
+        static buffers; replays only refill the buffers. Its bounds are graph-stable: the
+        kernels' launch grids must not depend on the batch being replayed."""
+        metadata = self.graph_metadata.get(bs)
+        if metadata is None:
+            buffers = self.graph_buffers
+            width = buffers["block_table"].shape[1]
+            metadata = AttentionMetadata(
+                query_start_loc=buffers["query_start_loc"][: bs + 1],
+                seq_lens=buffers["seq_lens"][:bs],
+                block_table=buffers["block_table"][:bs],
+                slot_mapping=buffers["slot_mapping"][:bs],
+                num_decodes=bs,
+                num_decode_tokens=bs,
+                max_query_len=1,
+                max_seq_len=width * self.page_size,
+            )
+            self.graph_metadata[bs] = metadata
+        return metadata
 
     # ------------------------------------------------------------ attention
 

@@ -36,6 +36,7 @@ from atom.registry import UnsupportedArchitectureError
 from atom_vllm.attention_layer import vllm_attention_factory
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
 from atom_vllm.distributed import install_vllm_tp_group
+from atom_vllm.patches import cuda_graphs_off
 
 logger = init_logger("vllm.atom_vllm.model")
 
@@ -54,23 +55,6 @@ def vllm_model_class(architecture: str) -> type[nn.Module]:
         ) from None
     module = relname if relname.startswith("vllm.") else f"vllm.model_executor.models.{relname}"
     return getattr(importlib.import_module(module), class_name)
-
-
-def keep_eager(vllm_config: Any, architecture: str, blockers: list[str]) -> None:
-    """CUDA graphs off for this engine, as `--compilation-config '{"cudagraph_mode":
-    "NONE"}'` would: vLLM captures the whole forward, and these ATOM ops cannot be
-    captured (torch references that read lengths or expert counts on the host). The
-    model is built before vLLM's runner reads the mode (its graph wrapper, then the
-    attention backends' resolution), so they all see NONE."""
-    from vllm.config import CUDAGraphMode
-
-    compilation = vllm_config.compilation_config
-    if compilation.cudagraph_mode in (None, CUDAGraphMode.NONE):
-        return
-    compilation.cudagraph_mode = CUDAGraphMode.NONE
-    logger.warning(
-        "ATOM %s: no CUDA graphs in vLLM (not capturable: %s)", architecture, ", ".join(blockers)
-    )
 
 
 class AtomForCausalLM(nn.Module):
@@ -104,7 +88,7 @@ class AtomForCausalLM(nn.Module):
         device = next(atom_model.parameters()).device
         blockers = graph_blockers(atom_model, device) if device.type == "cuda" else []
         if blockers:
-            keep_eager(vllm_config, cfg.entry.architecture, blockers)
+            cuda_graphs_off(vllm_config, cfg.entry.architecture, blockers)
         layers = [m for m in atom_model.modules() if isinstance(m, AttentionLayerBase)]
         backends = sorted({m.get_attn_backend().__name__ for m in layers})
         logger.info(

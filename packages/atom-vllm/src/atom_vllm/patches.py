@@ -1,4 +1,4 @@
-"""The one place atom-vllm changes vLLM's behaviour beyond its plugin APIs.
+"""The two places atom-vllm changes vLLM's behaviour beyond its plugin APIs.
 
 Patch 1: decode CUDA graphs up to `max_num_seqs` for ATOM models
     Why: vLLM captures graphs for batches up to `min(2 * max_num_seqs, 512)` by default;
@@ -15,13 +15,31 @@ Patch 1: decode CUDA graphs up to `max_num_seqs` for ATOM models
         same call order (`try_verify_and_update_config` before `_set_cudagraph_sizes`),
         default ceiling still 512 off data-center Blackwell. Test:
         `test_decode_graphs_cover_max_num_seqs_for_atom_models` builds a real VllmConfig.
+
+Patch 2: CUDA graphs off for an ATOM model that cannot be captured
+    Why: vLLM captures the whole forward. An ATOM op that reads lengths or expert counts
+        on the host (a torch reference on a GPU, e.g. under ATOM_KERNELS=torch) cannot be
+        captured, and the capture would fail or replay wrong values.
+    What: the model wrapper, when `atom.cuda_graphs.graph_blockers` names such ops, sets
+        its engine's `compilation_config.cudagraph_mode` to NONE, as `--compilation-config
+        '{"cudagraph_mode": "NONE"}'` would, and logs one warning naming them.
+    Checked: vLLM 0.32.0: `GPUModelRunner.load_model` builds the model before it reads
+        the mode for its graph wrapper, and `_check_and_update_cudagraph_mode`
+        (`CompilationConfig.resolve_cudagraph_mode_and_sizes`) returns NONE for it. Test:
+        `test_uncapturable_model_turns_cuda_graphs_off_in_its_engine_config`.
+
+`test_vllm_names_the_patches_rely_on_exist` fails when vLLM renames what they rely on.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm.logger import init_logger
+
 from atom_vllm.config import model_impl_of
+
+logger = init_logger("vllm.atom_vllm.patches")
 
 # vLLM's default largest captured batch (VllmConfig._set_cudagraph_sizes).
 VLLM_DEFAULT_MAX_CAPTURE = 512
@@ -62,3 +80,17 @@ def install_config_hooks(architectures: list[str]) -> None:
 
         AtomConfigHook.__name__ = AtomConfigHook.__qualname__ = f"Atom{vllm_hook.__name__}"
         MODELS_CONFIG_MAP[arch] = AtomConfigHook
+
+
+def cuda_graphs_off(vllm_config: Any, architecture: str, blockers: list[str]) -> None:
+    """Patch 2: CUDA graphs off for this engine (`blockers`: the ATOM ops that cannot be
+    captured)."""
+    from vllm.config import CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode in (None, CUDAGraphMode.NONE):
+        return
+    compilation.cudagraph_mode = CUDAGraphMode.NONE
+    logger.warning(
+        "ATOM %s: no CUDA graphs in vLLM (not capturable: %s)", architecture, ", ".join(blockers)
+    )

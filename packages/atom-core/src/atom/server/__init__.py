@@ -2,6 +2,7 @@
 
 from atom.server.app import build_app
 from atom.server.async_engine import AsyncEngine
-from atom.server.launcher import run_server
+from atom.server.launcher import StartupError, run_server
+from atom.server.options import ServeOptions
 
-__all__ = ["AsyncEngine", "build_app", "run_server"]
+__all__ = ["AsyncEngine", "ServeOptions", "StartupError", "build_app", "run_server"]

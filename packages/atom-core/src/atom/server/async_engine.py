@@ -48,6 +48,10 @@ class AsyncEngine:
         return self.engine.config.model.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.config.model.hf_config.vocab_size
+
+    @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 

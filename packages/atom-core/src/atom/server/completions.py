@@ -9,70 +9,82 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from atom.engine.outputs import RequestOutput
+from atom.engine.outputs import CompletionOutput, RequestOutput
 from atom.sampling_params import SamplingParams
-from atom.server.async_engine import AsyncEngine
+from atom.server.context import ServerContext
 from atom.server.disconnect import cancel_on_disconnect
-from atom.server.generation import final_outputs, sampling_params_of, submit, usage_of
+from atom.server.generation import (
+    final_outputs,
+    sampling_params_of,
+    submit,
+    tokenized,
+    usage_of,
+)
 from atom.server.logprobs import completion_logprobs
 from atom.server.output_stream import OutputStream
-from atom.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from atom.server.protocol import CompletionRequest
+from atom.server.responses import CompletionChoice, CompletionResponse
 from atom.server.streaming import Delta, DeltaTracker, event_stream
 
 
 async def create_completion(
-    engine: AsyncEngine, request: CompletionRequest, model: str, http_request: Request
+    ctx: ServerContext, request: CompletionRequest, http_request: Request
 ) -> Response:
+    prompts = request.prompts()
+    ctx.limits.check_choices(request, len(prompts))
     params = sampling_params_of(request)
-    stream = await submit(engine, request.prompts(), params, param="prompt")
+    stream = await submit(ctx, await tokenized(ctx, prompts, "prompt"), params, param="prompt")
     response_id = f"cmpl-{uuid.uuid4().hex}"
+    # Without a tokenizer the text is empty, so the choices carry their token ids.
+    with_ids = bool(request.return_token_ids) or ctx.engine.tokenizer is None
     if request.stream:
-        chunks = _chunks(
-            engine, stream, params, response_id, model, request.include_usage_in_stream
-        )
-        return event_stream(engine, stream, chunks)
-    outputs = await cancel_on_disconnect(http_request, final_outputs(engine, stream))
+        chunks = _chunks(ctx, stream, params, response_id, request, with_ids)
+        return event_stream(ctx.engine, stream, chunks)
+    outputs = await cancel_on_disconnect(http_request, final_outputs(ctx, stream))
     if outputs is None:
         return Response()  # the client is gone; nobody reads this
-    response = CompletionResponse(
-        id=response_id,
-        model=model,
-        choices=[
-            choice
-            for prompt_index, output in enumerate(outputs)
-            for choice in _choices(engine, prompt_index, output, params.n)
-        ],
-        usage=usage_of(outputs),
+    response = await ctx.tokenization.offload(
+        _response, ctx, response_id, outputs, params.n, with_ids
     )
     return JSONResponse(response.model_dump())
 
 
-def _choices(
-    engine: AsyncEngine, prompt_index: int, output: RequestOutput, n: int
-) -> list[CompletionChoice]:
-    return [
-        CompletionChoice(
-            index=prompt_index * n + c.index,
-            text=c.text,
-            logprobs=None
-            if c.logprobs is None
-            else completion_logprobs(engine.tokenizer, c.token_ids, c.logprobs),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-        )
-        for c in output.outputs
-    ]
+def _response(
+    ctx: ServerContext, response_id: str, outputs: list[RequestOutput], n: int, with_ids: bool
+) -> CompletionResponse:
+    choices = []
+    for prompt_index, output in enumerate(outputs):
+        for c in output.outputs:
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs, _ = completion_logprobs(
+                    ctx.engine.tokenizer, c.token_ids, 0, c.logprobs, text_offset=0
+                )
+            choices.append(
+                CompletionChoice(
+                    index=prompt_index * n + c.index,
+                    text=c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if with_ids else None,
+                    prompt_token_ids=output.prompt_token_ids if with_ids else None,
+                )
+            )
+    return CompletionResponse(
+        id=response_id, model=ctx.model, choices=choices, usage=usage_of(outputs)
+    )
 
 
 async def _chunks(
-    engine: AsyncEngine,
+    ctx: ServerContext,
     stream: OutputStream,
     params: SamplingParams,
     response_id: str,
-    model: str,
-    include_usage: bool,
+    request: CompletionRequest,
+    with_ids: bool,
 ) -> AsyncIterator[CompletionResponse]:
-    trackers = defaultdict(lambda: DeltaTracker(params))
+    trackers: dict[int, DeltaTracker] = {}
     text_offsets: dict[int, int] = defaultdict(int)
     finals: dict[int, RequestOutput] = {}
     async for output in stream:
@@ -81,25 +93,36 @@ async def _chunks(
         choices = []
         for completion in output.outputs:
             index = prompt_index * params.n + completion.index
-            delta = trackers[index].advance(completion)
+            tracker = trackers.setdefault(index, DeltaTracker(params))
+            delta = tracker.advance(completion)
             if delta is not None:
-                choices.append(_chunk_choice(engine, index, delta, text_offsets))
+                choice = await _chunk_choice(ctx, index, completion, delta, text_offsets)
+                choice.token_ids = delta.token_ids if with_ids else None
+                choices.append(choice)
         if choices:
-            yield CompletionResponse(id=response_id, model=model, choices=choices)
-    if include_usage:
+            yield CompletionResponse(id=response_id, model=ctx.model, choices=choices)
+    if request.include_usage_in_stream:
         usage = usage_of([finals[i] for i in sorted(finals)])
-        yield CompletionResponse(id=response_id, model=model, choices=[], usage=usage)
+        yield CompletionResponse(id=response_id, model=ctx.model, choices=[], usage=usage)
 
 
-def _chunk_choice(
-    engine: AsyncEngine, index: int, delta: Delta, text_offsets: dict[int, int]
+async def _chunk_choice(
+    ctx: ServerContext,
+    index: int,
+    completion: CompletionOutput,
+    delta: Delta,
+    text_offsets: dict[int, int],
 ) -> CompletionChoice:
     logprobs = None
     if delta.logprobs is not None:
-        logprobs = completion_logprobs(
-            engine.tokenizer, delta.token_ids, delta.logprobs, text_offsets[index]
+        logprobs, text_offsets[index] = await ctx.tokenization.offload(
+            completion_logprobs,
+            ctx.engine.tokenizer,
+            completion.token_ids,
+            delta.first_token,
+            delta.logprobs,
+            text_offsets[index],
         )
-        text_offsets[index] += sum(len(token) for token in logprobs.tokens)
     return CompletionChoice(
         index=index,
         text=delta.text,

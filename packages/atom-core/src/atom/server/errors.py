@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from atom.server.protocol import ErrorInfo, ErrorResponse
+from atom.server.responses import ErrorInfo, ErrorResponse
 
 
 class APIError(Exception):
@@ -30,6 +30,14 @@ def error_body(
     return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
 
 
+def invalid_body(errors: list[dict]) -> APIError:
+    """A 400 from pydantic's errors about a request body (locations relative to the body);
+    `param` names the first field at fault."""
+    fields = [".".join(map(str, e["loc"])) for e in errors if e["loc"]]
+    message = "; ".join(_describe(error) for error in errors)
+    return APIError(400, message, param=fields[0] if fields else None)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -41,21 +49,17 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body.model_dump(), status_code=exc.status)
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    fields = [str(e["loc"][1]) for e in errors if len(e["loc"]) > 1 and e["type"] != "json_invalid"]
-    message = "; ".join(_describe(error) for error in errors)
-    body = error_body(message, "invalid_request_error", fields[0] if fields else None)
-    return JSONResponse(body.model_dump(), status_code=400)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # Bodies are parsed by request_body.py; this covers query and path parameters.
+    errors = [{**e, "loc": e["loc"][1:]} for e in exc.errors()]
+    return await _api_error(request, invalid_body(errors))
 
 
 def _describe(error: dict) -> str:
     """One validation error as `field: problem`, e.g. `max_tokens: Input should be ...`."""
-    kind, where = error["type"], error["loc"][1:]
-    if kind == "json_invalid":
-        return f"malformed JSON body: {error['ctx']['error']} (at character {where[0]})"
-    if kind in ("model_attributes_type", "dict_type") and not where:
-        return "the body must be a JSON object, sent as Content-Type: application/json"
+    kind, where = error["type"], error["loc"]
+    if kind == "extra_forbidden":
+        return f"{'.'.join(map(str, where))}: unknown field (atom serve refuses fields it does not implement)"
     problem = str(error["ctx"]["error"]) if kind == "value_error" else error["msg"]
     return f"{'.'.join(map(str, where))}: {problem}" if where else problem
 
@@ -63,7 +67,7 @@ def _describe(error: dict) -> str:
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
     body = error_body(f"{exc.detail}: {request.method} {request.url.path}", kind)
-    return JSONResponse(body.model_dump(), status_code=exc.status_code)
+    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
 
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:

@@ -1,40 +1,56 @@
-"""The steps every generating endpoint shares: build the params, submit, collect."""
+"""The steps every generating endpoint shares: check, tokenize, submit, collect."""
 
 from __future__ import annotations
 
+import re
+
 from atom.engine.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
-from atom.server.async_engine import AsyncEngine, Prompt
+from atom.server.context import ServerContext
 from atom.server.errors import APIError
 from atom.server.output_stream import OutputStream
-from atom.server.protocol import SamplingRequest, Usage
+from atom.server.protocol import SamplingRequest
+from atom.server.responses import Usage
 
 
 def sampling_params_of(request: SamplingRequest) -> SamplingParams:
     try:
         return request.sampling_params()
     except ValueError as exc:  # SamplingParamsError names the field
-        raise APIError(400, str(exc)) from exc
+        raise APIError(400, str(exc), param=re.match(r"\w*", str(exc))[0] or None) from exc
+
+
+async def tokenized(
+    ctx: ServerContext, prompts: list[str | list[int]], param: str
+) -> list[list[int]]:
+    """Each prompt's token ids; one that cannot fit the context is refused before (by its
+    length in characters) and after tokenizing."""
+    for prompt in prompts:
+        ctx.limits.check_prompt(prompt, param)
+    token_ids = await ctx.tokenization.encode(prompts)
+    for ids in token_ids:
+        ctx.limits.check_prompt(ids, param)
+    return token_ids
 
 
 async def submit(
-    engine: AsyncEngine, prompts: list[Prompt], params: SamplingParams, param: str
+    ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, param: str
 ) -> OutputStream:
     """Submits; a prompt the engine refuses (empty, too long, bad ids) becomes a 400."""
     try:
-        return await engine.submit(prompts, params)
+        return await ctx.engine.submit(prompts, params)
     except ValueError as exc:
         raise APIError(400, str(exc), param=param) from exc
 
 
-async def final_outputs(engine: AsyncEngine, stream: OutputStream) -> list[RequestOutput]:
+async def final_outputs(ctx: ServerContext, stream: OutputStream) -> list[RequestOutput]:
     """Each prompt's finished output, in prompt order; aborts the requests if cancelled."""
     last: dict[int, RequestOutput] = {}
     try:
         async for output in stream:
             last[stream.prompt_index(output)] = output
     finally:
-        engine.abort(stream)  # a no-op once every request has finished
+        ctx.engine.abort(stream)  # a no-op once every request has finished
     return [last[i] for i in sorted(last)]
 
 

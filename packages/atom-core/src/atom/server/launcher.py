@@ -1,34 +1,92 @@
-"""`run_server`: load a model into the native engine and serve it over HTTP."""
+"""`run_server`: bind the port, load a model into the native engine, serve it over HTTP."""
 
 from __future__ import annotations
 
+import logging
+import socket
+from dataclasses import fields
 from typing import Any
 
-from atom.engine.llm import LLM
-from atom.server.app import build_app
-from atom.server.async_engine import AsyncEngine
+from atom.server.options import ServeOptions
+
+logger = logging.getLogger(__name__)
+
+SERVE_OPTIONS = frozenset(f.name for f in fields(ServeOptions))
+
+
+class StartupError(Exception):
+    """A reason the server cannot start, worth one line to the operator (no traceback)."""
 
 
 def run_server(
     model: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    served_model_name: str | None = None,
     log_level: str = "info",
-    **engine_kwargs: Any,
+    **kwargs: Any,
 ) -> None:
     """Serves `model` (a local HF folder) until interrupted.
 
-    `engine_kwargs` go to `atom.LLM` (dtype, device, max_model_len, block_size, num_blocks,
-    kv_cache_memory_bytes, max_num_seqs, tensor_parallel_size, ...). Clients name the
-    model `served_model_name`, by default the `model` argument itself.
+    Keyword arguments named like ServeOptions' fields (served_model_name, max_n,
+    chat_template, api_key, ...) set those; the rest go to `atom.LLM` (dtype, device,
+    max_model_len, block_size, num_blocks, max_num_seqs, ...). Raises StartupError for a
+    busy port (checked before the weights load), a bad model folder or a bad option.
     """
     import uvicorn
 
-    llm = LLM(model, **engine_kwargs)  # kept alive here: it owns the engine's workers
-    engine = AsyncEngine(llm.engine)
-    app = build_app(engine, served_model_name or model)
+    from atom.server.app import build_app
+    from atom.server.async_engine import AsyncEngine
+    from atom.server.tokenization import load_chat_template
+
+    serve_kwargs = {k: kwargs.pop(k) for k in SERVE_OPTIONS & kwargs.keys()}
+    options = ServeOptions(**{"served_model_name": model, **serve_kwargs})
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        chat_template = load_chat_template(options.chat_template)
+    except (ValueError, OSError) as exc:
+        raise StartupError(str(exc)) from None
+    listener = bind(host, port)
+    llm = load_model(model, kwargs)  # kept alive here: it owns the engine's workers
+    engine = AsyncEngine(llm.engine)
+    app = build_app(engine, options.served_model_name, options, chat_template)
+    config = uvicorn.Config(app, log_level=log_level)  # also sets up uvicorn's loggers
+    logging.getLogger("uvicorn.error").info(summary(llm, options, host, port))
+    try:
+        uvicorn.Server(config).run(sockets=[listener])
     finally:
         engine.shutdown()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return listener
+
+
+def load_model(model: str, engine_kwargs: dict):
+    from atom.engine.llm import LLM
+
+    try:
+        return LLM(model, **engine_kwargs)
+    except (ValueError, OSError, RuntimeError, KeyError) as exc:
+        logger.debug("loading %s failed", model, exc_info=True)
+        raise StartupError(f"cannot load the model {model!r}: {exc}") from None
+
+
+def summary(llm, options: ServeOptions, host: str, port: int) -> str:
+    config = llm.engine.config
+    num_blocks = llm.engine.block_manager.num_blocks
+    kv_tokens = num_blocks * config.cache.block_size
+    return (
+        f"serving {options.served_model_name!r} ({config.model.path}, "
+        f"{str(config.model.dtype).removeprefix('torch.')}, max_model_len "
+        f"{config.model.max_model_len}) on {config.device}: KV cache {num_blocks} blocks = "
+        f"{kv_tokens} tokens, up to {config.max_num_seqs} sequences at once "
+        f"({kv_tokens / config.model.max_model_len:.1f}x max_model_len); "
+        f"http://{host}:{port}/v1"
+    )

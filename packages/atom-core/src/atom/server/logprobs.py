@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 from atom.engine.outputs import Logprobs
-from atom.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from atom.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+
+# Tokens of context decoded before each token when measuring the text it adds: enough for
+# a SentencePiece leading space or a multi-byte character split over several tokens.
+CONTEXT_TOKENS = 6
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -14,19 +16,46 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def text_added(tokenizer, token_ids: list[int], start: int, end: int) -> list[int]:
+    """How many characters of the decoded text each of token_ids[start:end] adds.
+
+    Decoding one token alone is not enough: a word-piece or SentencePiece token's spacing
+    depends on its neighbour, and a byte of a multi-byte character decodes to nothing
+    until the character is complete.
+    """
+    if tokenizer is None:
+        return [0] * (end - start)
+
+    def length(ids: list[int]) -> int:
+        return len(tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd"))
+
+    added = []
+    for i in range(start, end):
+        context = token_ids[max(0, i - CONTEXT_TOKENS) : i]
+        added.append(length([*context, token_ids[i]]) - length(context))
+    return added
+
+
 def completion_logprobs(
-    tokenizer, token_ids: list[int], entries: Logprobs, text_offset: int = 0
-) -> CompletionLogprobs:
-    """The legacy shape; each position's top dict holds the sampled token and the top-k."""
-    tokens = [token_text(tokenizer, t) for t in token_ids]
-    return CompletionLogprobs(
-        tokens=tokens,
-        token_logprobs=[entry[t] for t, entry in zip(token_ids, entries)],
+    tokenizer, token_ids: list[int], start: int, entries: Logprobs, text_offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy shape for tokens token_ids[start : start + len(entries)], whose text
+    begins at `text_offset` of the completion; also returns where the next token's begins.
+    Each position's top dict holds the sampled token and the top-k."""
+    ids = token_ids[start : start + len(entries)]
+    offsets = []
+    for added in text_added(tokenizer, token_ids, start, start + len(ids)):
+        offsets.append(text_offset)
+        text_offset += added
+    logprobs = CompletionLogprobs(
+        tokens=[token_text(tokenizer, t) for t in ids],
+        token_logprobs=[entry[t] for t, entry in zip(ids, entries)],
         top_logprobs=[
             {token_text(tokenizer, t): logprob for t, logprob in entry.items()} for entry in entries
         ],
-        text_offset=list(accumulate((len(t) for t in tokens[:-1]), initial=text_offset)),
+        text_offset=offsets,
     )
+    return logprobs, text_offset
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], entries: Logprobs, num_top: int) -> ChatLogprobs:

@@ -1,21 +1,39 @@
-"""Request and response bodies of the OpenAI API (the subset the server implements).
+"""Request bodies of the OpenAI API (the subset the server implements).
 
-Field names that exist in SamplingParams carry the same meaning there; vLLM's extensions
-(top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids) are accepted
-too, as the openai client's `extra_body`.
+Unknown fields are refused with a 400 that names them: a misspelt or unsupported option
+must not be silently ignored. Fields that exist in SamplingParams carry the same meaning
+there; vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
+stop_token_ids, return_token_ids, chat_template_kwargs) are accepted too, as the openai
+client's `extra_body`. A null field means its default, except `max_tokens: null`, which
+(as in vLLM) means "up to the context length".
 """
 
 from __future__ import annotations
 
-import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from atom.sampling_params import SamplingParams
 
 # The largest top-logprobs count a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+
+# OpenAI and vLLM fields that atom serve knows but does not implement; a request that sets
+# one (to anything but null or empty) gets a 400 saying so, not "unknown field".
+UNSUPPORTED_FIELDS = (
+    "logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call",
+    "suffix", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "structured_outputs", "prompt_logprobs", "audio", "modalities", "prediction",
+)  # fmt: skip
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
@@ -25,11 +43,15 @@ _SHARED_SAMPLING_FIELDS = {
 }  # fmt: skip
 
 
-class StreamOptions(BaseModel):
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(StrictModel):
     """Fields common to completions and chat; None means the SamplingParams default."""
 
     model: str | None = None
@@ -46,8 +68,10 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, unused
+    return_token_ids: bool | None = False
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -66,14 +90,16 @@ class CompletionRequest(SamplingRequest):
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
     max_tokens: int | None = 16
+    best_of: int | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    echo: bool | None = False
 
-    @model_validator(mode="after")
-    def _reject_echo(self) -> CompletionRequest:
-        if self.echo:
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool | None) -> bool | None:
+        if echo:
             raise ValueError("echo is not supported")
-        return self
+        return echo
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: text, token ids, or a list of either."""
@@ -82,37 +108,48 @@ class CompletionRequest(SamplingRequest):
         return list(self.prompt)
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.sampling_fields("max_tokens", "logprobs"))
+        # Omitted, max_tokens is 16; null means no limit but the context length.
+        return SamplingParams(**self.sampling_fields("logprobs"), max_tokens=self.max_tokens)
 
 
-class TextPart(BaseModel):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictModel):
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
-    def for_template(self) -> dict[str, str]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True, exclude={"content"})
+        return {**message, "content": self.text}
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=true")
-        return self
+        return top_logprobs
 
     def sampling_params(self) -> SamplingParams:
         # Chat has no default length limit: it runs to max_model_len unless told otherwise.
@@ -126,122 +163,20 @@ class ChatCompletionRequest(SamplingRequest):
         )
 
 
-# Responses ------------------------------------------------------------------------------
+class TokenizeRequest(StrictModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
 
 
-def _now() -> int:
-    return int(time.time())
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """A whole completion, or (with usage None until the last) one chunk of a stream."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "atom"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[StrictInt]

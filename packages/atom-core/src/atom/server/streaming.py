@@ -27,6 +27,7 @@ class Delta:
     finish_reason: str | None
     stop_reason: int | str | None
     is_first: bool
+    first_token: int  # the index of token_ids[0] in the whole completion
 
 
 class DeltaTracker:
@@ -64,6 +65,7 @@ class DeltaTracker:
             completion.finish_reason,
             completion.stop_reason,
             is_first=not self.started,
+            first_token=self.sent_tokens,
         )
         self.sent_chars += len(text)
         self.sent_tokens = num_tokens

@@ -1,0 +1,27 @@
+"""Everything a route handler needs, built once per server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atom.server.async_engine import AsyncEngine
+from atom.server.limits import RequestLimits
+from atom.server.options import ServeOptions
+from atom.server.tokenization import Tokenization
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncEngine
+    tokenization: Tokenization
+    limits: RequestLimits
+    options: ServeOptions
+
+    @classmethod
+    def of(cls, engine: AsyncEngine, options: ServeOptions, chat_template: str | None):
+        limits = RequestLimits.of(engine.tokenizer, engine.max_model_len, options.max_n)
+        return cls(engine, Tokenization(engine.tokenizer, chat_template), limits, options)
+
+    @property
+    def model(self) -> str:
+        return self.options.served_model_name

@@ -1,0 +1,167 @@
+"""Bounds and bad input: every bad request gets a 4xx whose error names the field at
+fault, huge requests are refused before they cost anything, and other clients' streams
+keep flowing meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MAX_BODY_BYTES, MAX_N
+from tests.server.server_process import MODEL
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+HUGE_PROMPT = "river " * 1_700_000  # 10 MB of text
+JSON = {"content-type": "application/json"}
+
+
+def raw(text: str) -> bytes:
+    """A body written by hand: JSON that json.dumps would never produce."""
+    return text.encode("utf-8", errors="surrogatepass")
+
+
+# name: (path, body, status, param, words in the message)
+BAD_REQUESTS = {
+    "unknown field": (COMPLETIONS, {"prompt": "a", "temprature": 0}, 400, "temprature",
+                      "unknown field"),
+    "unknown nested field": (CHAT, {"messages": [{"role": "user", "content": "a", "x": 1}]},
+                             400, "messages.0.x", "unknown field"),
+    "unknown stream option": (COMPLETIONS, {"prompt": "a", "stream": True,
+                              "stream_options": {"usage": True}}, 400, "stream_options.usage",
+                              "unknown field"),
+    "logit_bias": (COMPLETIONS, {"prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias",
+                   "not supported"),
+    "response_format": (CHAT, {"messages": [{"role": "user", "content": "a"}],
+                        "response_format": {"type": "json_object"}}, 400, "response_format",
+                        "not supported"),
+    "tools": (CHAT, {"messages": [{"role": "user", "content": "a"}], "tools": [{"x": 1}]},
+              400, "tools", "not supported"),
+    "n above the maximum": (COMPLETIONS, {"prompt": "a", "n": MAX_N + 1}, 400, "n", "--max-n"),
+    "n of a billion": (CHAT, {"messages": [{"role": "user", "content": "a"}], "n": 10**9},
+                       400, "n", "--max-n"),
+    "best_of above the maximum": (COMPLETIONS, {"prompt": "a", "n": 1, "best_of": 10**9}, 400,
+                                  "best_of", "--max-n"),
+    "prompts times n": (COMPLETIONS, {"prompt": ["a"] * 5, "n": 2}, 400, "prompt",
+                        "make 10 choices"),
+    "top_p of 0": (COMPLETIONS, {"prompt": "a", "top_p": 0}, 400, "top_p", "top_p must"),
+    "min_p above 1": (COMPLETIONS, {"prompt": "a", "min_p": 2}, 400, "min_p", "min_p must"),
+    "presence_penalty below -2": (CHAT, {"messages": [{"role": "user", "content": "a"}],
+                                  "presence_penalty": -3}, 400, "presence_penalty", "[-2, 2]"),
+    "repetition_penalty of 0": (COMPLETIONS, {"prompt": "a", "repetition_penalty": 0}, 400,
+                                "repetition_penalty", "> 0"),
+    "negative seed": (COMPLETIONS, {"prompt": "a", "seed": -1}, 400, "seed", "seed"),
+    "temperature NaN": (COMPLETIONS, raw('{"prompt": "a", "temperature": NaN}'), 400,
+                        "temperature", "finite"),
+    "temperature overflowing": (COMPLETIONS, raw('{"prompt": "a", "temperature": 1e999}'), 400,
+                                "temperature", "finite"),
+    "lone surrogate": (COMPLETIONS, raw('{"prompt": "a \\ud800 b"}'), 400, "prompt", "UTF-8"),
+    "invalid UTF-8": (COMPLETIONS, b'{"prompt": "a \xff b"}', 400, "prompt", "UTF-8"),
+    "surrogate in a message": (CHAT, raw('{"messages": [{"role": "user", "content": "\\udc00"}]}'),
+                               400, "messages.0.content", "UTF-8"),
+    "surrogate in a batch": (COMPLETIONS, raw('{"prompt": ["a", "\\ud83d"]}'), 400, "prompt.1",
+                             "UTF-8"),
+    "token prompt too long": (COMPLETIONS, {"prompt": [5] * 300}, 400, "prompt", "300 tokens"),
+    "huge prompt": (COMPLETIONS, {"prompt": HUGE_PROMPT}, 400, "prompt", "10200000 characters"),
+    "huge chat": (CHAT, {"messages": [{"role": "user", "content": HUGE_PROMPT}]}, 400,
+                  "messages", "10200000 characters"),
+    "body over the limit": (COMPLETIONS, {"prompt": "a " * (MAX_BODY_BYTES // 2)}, 413, None,
+                            "--max-request-body-bytes"),
+    "detokenize unknown ids": ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens",
+                               "tokens must be"),
+    "tokenize neither": ("/tokenize", {"add_special_tokens": False}, 400, None,
+                         "exactly one of prompt and messages"),
+}  # fmt: skip
+
+
+def post(server: str, path: str, body: dict | bytes) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server + path, content=content, headers=JSON, timeout=60)
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_bad_request_names_its_field(case, server, client):
+    path, body, status, param, words = BAD_REQUESTS[case]
+    response = post(server, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    assert words in error["message"]
+    good = client.completions.create(model=MODEL, prompt="a small cat", max_tokens=2)
+    assert good.usage.completion_tokens >= 1
+
+
+def test_null_means_default_and_null_max_tokens_means_the_context(client):
+    response = client.completions.create(
+        model=MODEL, prompt="the quick brown fox", max_tokens=None, temperature=None,
+        top_p=None, n=None, seed=None, stop=None, extra_body={"ignore_eos": True, "top_k": None},
+    )  # fmt: skip
+    assert response.usage.total_tokens == 256  # max_model_len
+    assert response.choices[0].finish_reason == "length"
+    omitted = client.completions.create(model=MODEL, prompt="a", extra_body={"ignore_eos": True})
+    assert omitted.usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_text_offsets_point_into_the_text(client, stream):
+    kwargs = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 12, "logprobs": 2}
+    chunks = client.completions.create(
+        **kwargs, seed=4, stream=stream, extra_body={"ignore_eos": True}
+    )
+    choices = [c.choices[0] for c in chunks if c.choices] if stream else chunks.choices
+    text = "".join(c.text for c in choices)
+    tokens = [t for c in choices for t in c.logprobs.tokens]
+    offsets = [o for c in choices for o in c.logprobs.text_offset]
+    assert len(tokens) == len(offsets) == 12 and offsets[0] == 0
+    # The demo tokenizer's tokens are words that decode with a space between them.
+    pieces = [text[a:b] for a, b in zip(offsets, [*offsets[1:], len(text)])]
+    assert "".join(pieces) == text
+    assert [piece.strip() for piece in pieces] == tokens
+
+
+def test_streams_keep_flowing_while_huge_and_bad_requests_are_refused(server):
+    """A long stream runs while another client sends a 10 MB prompt, an oversized body, an
+    unbounded n and a lone surrogate, over and over: each gets its 4xx, the stream gets
+    tokens between the refusals, and it delivers every token."""
+    events = asyncio.run(stream_beside_refusals(server))
+    first_refusal = events.index("refused")
+    assert first_refusal < events.index("end")
+    assert "token" in events[first_refusal : events.index("end")]
+
+
+async def stream_beside_refusals(server: str) -> list[str]:
+    bad = [BAD_REQUESTS[c] for c in ("huge prompt", "body over the limit", "n of a billion",
+                                     "lone surrogate")]  # fmt: skip
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="-", max_retries=0, timeout=60)
+    events: list[str] = []
+
+    async def stream() -> int:
+        chunks = await client.completions.create(
+            model=MODEL, prompt="a river", max_tokens=200, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        received = 0
+        async for chunk in chunks:
+            received += len(chunk.choices[0].token_ids)
+            events.append("token")
+        events.append("end")
+        return received
+
+    async def refused(http: httpx.AsyncClient, path: str, body, status: int) -> None:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = await http.post(server + path, content=content, headers=JSON)
+        assert response.status_code == status
+        events.append("refused")
+
+    streaming = asyncio.create_task(stream())
+    async with httpx.AsyncClient(timeout=60) as http:
+        while "token" not in events:
+            await asyncio.sleep(0.01)
+        for _ in range(3):
+            for path, body, status, _, _ in bad:
+                await refused(http, path, body, status)
+    assert await streaming == 200
+    return events
