@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SamplingParamsError(ValueError):
     pass
+
+
+class TokenGuide(Protocol):
+    """Restricts one completion's tokens (guided decoding): the engine asks it which tokens
+    may come next before each sample, then tells it the token that was sampled."""
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor:
+        """A bool CPU tensor [vocab_size]: True where a token may come next."""
+
+    def accept(self, token_id: int) -> None: ...
+
+    @property
+    def is_done(self) -> bool:
+        """True once nothing may follow: the completion ends there."""
 
 
 @dataclass
@@ -29,6 +49,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # Builds the TokenGuide of each completion (each has its own state).
+    guide_factory: Callable[[], TokenGuide] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +108,25 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise SamplingParamsError(message)
+        self._validate_logit_bias()
+        if self.guide_factory is not None and not callable(self.guide_factory):
+            raise SamplingParamsError("guide_factory must be callable")
+
+    def _validate_logit_bias(self) -> None:
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise SamplingParamsError(
+                    f"logit_bias keys must be non-negative token ids, got {token!r}"
+                )
+            if not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise SamplingParamsError(
+                    f"logit_bias values must be finite numbers, got {bias!r} for token {token}"
+                )
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether the sampler must change this request's logits beyond its filters."""
+        return bool(self.logit_bias) or self.guide_factory is not None
 
     @property
     def greedy(self) -> bool:

@@ -92,6 +92,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
+        if any(t >= vocab for t in params.logit_bias or ()):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if min(max_len, len(ids) + (params.max_tokens or max_len)) > capacity:
             raise ValueError(
@@ -156,9 +158,10 @@ class LLMEngine:
         return outputs
 
     def _can_feed(self, step: _Step) -> bool:
-        # Penalties read the output tokens on the host, which would still lack the last.
+        # Penalties read the output tokens on the host, which would still lack the last; a
+        # guide's next mask needs the last token accepted.
         return step.samples is not None and not any(
-            uses_penalties(seq.params) for seq in step.plan.samples
+            uses_penalties(seq.params) or seq.guide is not None for seq in step.plan.samples
         )
 
     def _launch(self, feeding: _Step | None) -> _Step | None:
@@ -252,6 +255,11 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
         new_chars = len(self.detokenizer.update(seq)) if params.detokenize else 0
+        if seq.guide is not None:
+            seq.guide.accept(token)
+            if seq.guide.is_done:
+                seq.finish_reason = "stop"
+                return
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"

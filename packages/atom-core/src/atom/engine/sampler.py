@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from atom.engine.compile import compiled
+from atom.engine.logits_processors import apply_logits_processors, needs_processing
 from atom.engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
 
@@ -228,8 +229,8 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[Sequence], blocked: Rows[Rows[int]] = ()
     ) -> PendingSamples:
         """Starts sampling one token per row of fp32 `logits` [B, vocab] (modified in
-        place), row i following seqs[i].params; blocked[i] lists token ids row i may not
-        pick (EOS under min_tokens). Nothing waits for the device."""
+        place), row i following seqs[i].params (and its guide); blocked[i] lists token ids
+        row i may not pick (EOS under min_tokens). Nothing waits for the device."""
         params = [seq.params for seq in seqs]
         penalised = [uses_penalties(p) for p in params]
         if any(penalised):
@@ -239,6 +240,8 @@ class Sampler:
                 [seq.prompt_ids if used else [] for seq, used in zip(seqs, penalised)],
                 [seq.output_ids if used else [] for seq, used in zip(seqs, penalised)],
             )
+        if needs_processing(seqs):
+            apply_logits_processors(logits, seqs)
         pairs = [(i, t) for i, ids in enumerate(blocked) for t in ids]
         if pairs:
             rows, cols = zip(*pairs)

@@ -41,6 +41,7 @@ class Sequence:
         # Completions of one seeded request draw different but reproducible tokens.
         self.seed = params.seed + completion_index if params.seed is not None else None
         self.generator: torch.Generator | None = None  # made by the sampler on its device
+        self.guide = params.guide_factory() if params.guide_factory is not None else None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -14,6 +14,7 @@ from atom.engine.outputs import Logprobs, RequestOutput
 from atom.sampling_params import SamplingParams
 from atom.server.context import ServerContext
 from atom.server.disconnect import cancel_on_disconnect
+from atom.server.errors import APIError
 from atom.server.generation import final_outputs, sampling_params_of, submit, usage_of
 from atom.server.logprobs import chat_logprobs
 from atom.server.output_stream import OutputStream
@@ -26,54 +27,82 @@ from atom.server.responses import (
     ChatCompletionResponse,
     ChatLogprobs,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
 from atom.server.streaming import Delta, DeltaTracker, event_stream
+from atom.server.tools import ParsedToolCall, forced_call_guide, tool_call_reader
 
 
 async def create_chat_completion(
     ctx: ServerContext, request: ChatCompletionRequest, http_request: Request
 ) -> Response:
     ctx.limits.check_choices(request, 1)
-    params = sampling_params_of(request)
+    params = await sampling_params_of(ctx, request, _guide(request))
     prompt = await chat_prompt(ctx, request)
     stream = await submit(ctx, [prompt], params, param="messages")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if request.stream:
-        chunks = _chunks(ctx, stream, params, response_id, request.include_usage_in_stream)
+        chunks = _chunks(ctx, stream, params, response_id, request)
         return event_stream(ctx.engine, stream, chunks)
     outputs = await cancel_on_disconnect(http_request, final_outputs(ctx, stream))
     if outputs is None:
         return Response()  # the client is gone; nobody reads this
-    response = await ctx.tokenization.offload(_response, ctx, response_id, outputs[0], params)
+    response = await ctx.tokenization.offload(
+        _response, ctx, response_id, outputs[0], params, request
+    )
     return JSONResponse(response.model_dump())
+
+
+def _guide(request: ChatCompletionRequest):
+    guide, forced_call = request.guide_spec(), forced_call_guide(request)
+    if guide is not None and forced_call is not None:
+        raise APIError(
+            400, f"{guide.param} and a forced tool_choice cannot be combined", param=guide.param
+        )
+    return guide or forced_call
 
 
 async def chat_prompt(ctx: ServerContext, request: ChatCompletionRequest | TokenizeRequest):
     """The prompt's token ids; messages too long to fit the context are refused before
     the template runs."""
     ctx.limits.check_prompt("".join(m.text for m in request.messages), "messages")
+    template_kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
+    if getattr(request, "tools", None):
+        template_kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
     prompt = await ctx.tokenization.render_chat(
         [message.for_template() for message in request.messages],
         request.add_generation_prompt,
-        getattr(request, "chat_template_kwargs", None) or {},
+        template_kwargs,
     )
     ctx.limits.check_prompt(prompt, "messages")
     return prompt
 
 
 def _response(
-    ctx: ServerContext, response_id: str, output: RequestOutput, params: SamplingParams
+    ctx: ServerContext,
+    response_id: str,
+    output: RequestOutput,
+    params: SamplingParams,
+    request: ChatCompletionRequest,
 ) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=AssistantMessage(content=c.text),
-            logprobs=_logprobs(ctx, c.token_ids, c.logprobs, params),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in output.outputs:
+        content, calls = c.text, []
+        reader = tool_call_reader(request)
+        if reader is not None:
+            content, calls = reader.read(c.text, final=True)
+            content = (content.strip() or None) if calls else content
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=content, tool_calls=_tool_calls(calls)),
+                logprobs=_logprobs(ctx, c.token_ids, c.logprobs, params),
+                finish_reason=_finish_reason(c.finish_reason, bool(calls)),
+                stop_reason=c.stop_reason,
+            )
         )
-        for c in output.outputs
-    ]
     return ChatCompletionResponse(
         id=response_id, model=ctx.model, choices=choices, usage=usage_of([output])
     )
@@ -87,14 +116,25 @@ def _logprobs(
     return chat_logprobs(ctx.engine.tokenizer, token_ids, entries, params.logprobs)
 
 
+def _tool_calls(calls: list[ParsedToolCall]) -> list[ToolCall]:
+    return [
+        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+    ]
+
+
+def _finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
 async def _chunks(
     ctx: ServerContext,
     stream: OutputStream,
     params: SamplingParams,
     response_id: str,
-    include_usage: bool,
+    request: ChatCompletionRequest,
 ) -> AsyncIterator[ChatCompletionChunk]:
     trackers = defaultdict(lambda: DeltaTracker(params))
+    readers = defaultdict(lambda: tool_call_reader(request))
     last = None
     async for output in stream:
         last = output
@@ -102,12 +142,29 @@ async def _chunks(
         for completion in output.outputs:
             delta = trackers[completion.index].advance(completion)
             if delta is not None:
-                choices.append(await _chunk_choice(ctx, completion.index, delta, params))
+                choice = await _chunk_choice(ctx, completion.index, delta, params)
+                _take_tool_calls(choice, delta, readers[completion.index])
+                choices.append(choice)
         if choices:
             yield ChatCompletionChunk(id=response_id, model=ctx.model, choices=choices)
-    if include_usage:
+    if request.include_usage_in_stream:
         usage = usage_of([last])
         yield ChatCompletionChunk(id=response_id, model=ctx.model, choices=[], usage=usage)
+
+
+def _take_tool_calls(choice: ChatChunkChoice, delta: Delta, reader) -> None:
+    """Moves the tool calls in the choice's text into its delta's tool_calls."""
+    if reader is None:
+        return
+    first_index = reader.num_calls
+    content, calls = reader.read(delta.text, final=delta.finish_reason is not None)
+    choice.delta.content = content
+    if calls:
+        choice.delta.tool_calls = [
+            DeltaToolCall(index=first_index + i, **call.model_dump())
+            for i, call in enumerate(_tool_calls(calls))
+        ]
+    choice.finish_reason = _finish_reason(delta.finish_reason, reader.num_calls > 0)
 
 
 async def _chunk_choice(

@@ -32,7 +32,7 @@ async def create_completion(
 ) -> Response:
     prompts = request.prompts()
     ctx.limits.check_choices(request, len(prompts))
-    params = sampling_params_of(request)
+    params = await sampling_params_of(ctx, request, request.guide_spec())
     stream = await submit(ctx, await tokenized(ctx, prompts, "prompt"), params, param="prompt")
     response_id = f"cmpl-{uuid.uuid4().hex}"
     # Without a tokenizer the text is empty, so the choices carry their token ids.

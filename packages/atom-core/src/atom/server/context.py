@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from atom.server.async_engine import AsyncEngine
+from atom.server.guided import GuidedDecoding
 from atom.server.limits import RequestLimits
 from atom.server.options import ServeOptions
 from atom.server.tokenization import Tokenization
@@ -16,11 +17,16 @@ class ServerContext:
     tokenization: Tokenization
     limits: RequestLimits
     options: ServeOptions
+    guided: GuidedDecoding
 
     @classmethod
     def of(cls, engine: AsyncEngine, options: ServeOptions, chat_template: str | None):
         limits = RequestLimits.of(engine.tokenizer, engine.max_model_len, options.max_n)
-        return cls(engine, Tokenization(engine.tokenizer, chat_template), limits, options)
+        guided = GuidedDecoding(
+            engine.tokenizer, engine.vocab_size, sorted(engine.engine.eos_token_ids)
+        )
+        tokenization = Tokenization(engine.tokenizer, chat_template)
+        return cls(engine, tokenization, limits, options, guided)
 
     @property
     def model(self) -> str:

@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from atom.engine.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
 from atom.server.context import ServerContext
 from atom.server.errors import APIError
+from atom.server.guided_protocol import GuideSpec
 from atom.server.output_stream import OutputStream
 from atom.server.protocol import SamplingRequest
 from atom.server.responses import Usage
 
 
-def sampling_params_of(request: SamplingRequest) -> SamplingParams:
+async def sampling_params_of(
+    ctx: ServerContext, request: SamplingRequest, guide: GuideSpec | None
+) -> SamplingParams:
+    """The request's SamplingParams; with `guide`, compiled into its guide factory."""
     try:
-        return request.sampling_params()
+        params = request.sampling_params()
     except ValueError as exc:  # SamplingParamsError names the field
-        raise APIError(400, str(exc), param=re.match(r"\w*", str(exc))[0] or None) from exc
+        raise APIError(400, str(exc), param=_field_named(exc)) from exc
+    if guide is None:
+        return params
+    factory = await ctx.tokenization.offload(ctx.guided.guide_factory, guide)
+    return dataclasses.replace(params, guide_factory=factory)
+
+
+def _field_named(exc: ValueError) -> str | None:
+    """The SamplingParams field an error message starts with, if any."""
+    word = re.match(r"\w*", str(exc))[0]
+    return word if word in SamplingParams.__dataclass_fields__ else None
 
 
 async def tokenized(
@@ -36,11 +51,12 @@ async def tokenized(
 async def submit(
     ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, param: str
 ) -> OutputStream:
-    """Submits; a prompt the engine refuses (empty, too long, bad ids) becomes a 400."""
+    """Submits; a prompt or parameter the engine refuses (empty, too long, bad ids)
+    becomes a 400."""
     try:
         return await ctx.engine.submit(prompts, params)
     except ValueError as exc:
-        raise APIError(400, str(exc), param=param) from exc
+        raise APIError(400, str(exc), param=_field_named(exc) or param) from exc
 
 
 async def final_outputs(ctx: ServerContext, stream: OutputStream) -> list[RequestOutput]:

@@ -8,6 +8,13 @@ from atom.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob
 # Tokens of context decoded before each token when measuring the text it adds: enough for
 # a SentencePiece leading space or a multi-byte character split over several tokens.
 CONTEXT_TOKENS = 6
+# JSON has no -inf, which a token masked off (guided decoding, a logit_bias of -100 on a
+# tiny vocabulary) would have: such logprobs are written as this floor, as vLLM does.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -49,9 +56,10 @@ def completion_logprobs(
         text_offset += added
     logprobs = CompletionLogprobs(
         tokens=[token_text(tokenizer, t) for t in ids],
-        token_logprobs=[entry[t] for t, entry in zip(ids, entries)],
+        token_logprobs=[_finite(entry[t]) for t, entry in zip(ids, entries)],
         top_logprobs=[
-            {token_text(tokenizer, t): logprob for t, logprob in entry.items()} for entry in entries
+            {token_text(tokenizer, t): _finite(logprob) for t, logprob in entry.items()}
+            for entry in entries
         ],
         text_offset=offsets,
     )
@@ -74,4 +82,4 @@ def chat_logprobs(tokenizer, token_ids: list[int], entries: Logprobs, num_top: i
 
 def _top_logprob(tokenizer, token_id: int, logprob: float) -> TopLogprob:
     text = token_text(tokenizer, token_id)
-    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+    return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode()))

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from atom.sampling_params import SamplingParams
+from atom.server.guided_protocol import GuidedFields
 
 # The largest top-logprobs count a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -30,10 +31,10 @@ MAX_LOGPROBS = 20
 # OpenAI and vLLM fields that atom serve knows but does not implement; a request that sets
 # one (to anything but null or empty) gets a 400 saying so, not "unknown field".
 UNSUPPORTED_FIELDS = (
-    "logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call",
-    "suffix", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs", "prompt_logprobs", "audio", "modalities", "prediction",
+    "functions", "function_call", "suffix", "prompt_logprobs", "audio", "modalities",
+    "prediction",
 )  # fmt: skip
+MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
@@ -51,7 +52,7 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingRequest(StrictModel):
+class SamplingRequest(GuidedFields, StrictModel):
     """Fields common to completions and chat; None means the SamplingParams default."""
 
     model: str | None = None
@@ -72,6 +73,17 @@ class SamplingRequest(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, unused
     return_token_ids: bool | None = False
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
+        None
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in logit_bias or {}:
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids written as strings, got {key!r}")
+        return logit_bias
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -79,7 +91,10 @@ class SamplingRequest(StrictModel):
 
     def sampling_fields(self, *extra: str) -> dict:
         """The SamplingParams arguments this request sets (unset ones keep their defaults)."""
-        return self.model_dump(include=_SHARED_SAMPLING_FIELDS | set(extra), exclude_none=True)
+        fields = self.model_dump(include=_SHARED_SAMPLING_FIELDS | set(extra), exclude_none=True)
+        if self.logit_bias:
+            fields["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
+        return fields
 
 
 class CompletionRequest(SamplingRequest):
@@ -135,8 +150,32 @@ class ChatMessage(StrictModel):
         return {**message, "content": self.text}
 
 
+class FunctionDefinition(StrictModel):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; several calls are always parsed
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

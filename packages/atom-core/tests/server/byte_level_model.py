@@ -1,0 +1,75 @@
+"""A tiny random Llama with a byte-level BPE tokenizer trained here, and a Qwen-style chat
+template that renders tools: any text (JSON included) can be written with it, as with a
+real model's tokenizer, which word-level demo tokenizers cannot do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VOCAB_SIZE = 384
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TAGS = ["<tool_call>", "</tool_call>"]  # added, not special: decoding keeps them
+
+CORPUS = [
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+    '{"answer": true, "count": 12, "items": ["red", "green", "blue"], "value": null}',
+    "The quick brown fox jumps over the lazy dog while the cat watches.",
+    "user assistant system tool call result weather city temperature 0123456789",
+]
+
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    'Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - len(TOOL_TAGS),
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.add_tokens(TOOL_TAGS)
+    fast.chat_template = CHAT_TEMPLATE
+    assert len(fast) <= VOCAB_SIZE
+    return fast
+
+
+def write_byte_level_model(folder: Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
