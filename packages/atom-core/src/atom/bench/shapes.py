@@ -118,6 +118,13 @@ SHAPES = {
             n_routed_experts=64,
             n_shared_experts=2,
             num_experts_per_tok=6,
+            # As the released config says (transformers' DeepseekV2Config has no such
+            # fields): vLLM's DeepSeek needs the groups, SGLang's reads moe_layer_freq
+            # and scoring_func.
+            n_group=1,
+            topk_group=1,
+            moe_layer_freq=1,
+            scoring_func="softmax",
             first_k_dense_replace=1,
             norm_topk_prob=False,
             topk_method="greedy",
