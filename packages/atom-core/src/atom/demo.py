@@ -109,11 +109,18 @@ def build_tokenizer(vocab_size: int):
 
 def write_demo_model(folder: str | Path, vocab_size: int = 128, seed: int = 0) -> Path:
     """Writes a tiny random LlamaForCausalLM (fp32, safetensors) and its tokenizer."""
+    return write_tiny_llama(folder, build_tokenizer(vocab_size), vocab_size, 256, seed)
+
+
+def write_tiny_llama(
+    folder: str | Path, tokenizer, vocab_size: int, max_position_embeddings: int, seed: int
+) -> Path:
+    """A tiny random LlamaForCausalLM (fp32) with `tokenizer`'s special tokens, saved
+    with it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = Path(folder)
-    tokenizer = build_tokenizer(vocab_size)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -121,7 +128,7 @@ def write_demo_model(folder: str | Path, vocab_size: int = 128, seed: int = 0) -
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

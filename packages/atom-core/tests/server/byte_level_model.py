@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from atom.demo import write_tiny_llama
+
 VOCAB_SIZE = 384
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TAGS = ["<tool_call>", "</tool_call>"]  # added, not special: decoding keeps them
@@ -54,22 +56,4 @@ def build_tokenizer():
 
 
 def write_byte_level_model(folder: Path, seed: int = 0) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return write_tiny_llama(folder, build_tokenizer(), VOCAB_SIZE, 1024, seed)
