@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from atom.forward_context import AttentionMetadata, set_forward_context
+from atom.forward_context import AttentionMetadata
 from atom.hosts.token_table import (
     block_table_from_token_table,
     metadata_from_token_table,
@@ -237,9 +237,7 @@ class AtomAttnBackend(AttentionBackend):
         """ATOM's MLA step (`impl`: latent cache write, absorbed decode, up-projected
         prefill) for an ATOM MLA layer, over its rows of SGLang's pool."""
         metadata = self._step_metadata(layer_id)
-        impl.bind_kv_cache(self.mla_cache(layer_id))
-        with set_forward_context(metadata):
-            return impl(*inputs)
+        return impl.attend(*inputs, self.mla_cache(layer_id), metadata)
 
     def _attend_mla(self, q, k, layer, metadata, save_kv_cache: bool) -> torch.Tensor:
         """SGLang's absorbed MLA call (its own DeepSeek models): q [T, H, L + R],

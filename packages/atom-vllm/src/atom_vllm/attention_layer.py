@@ -39,7 +39,6 @@ from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backend import AttentionBackend, AttentionType
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-from atom.forward_context import set_forward_context
 from atom.layers.attention_spec import AttentionSpec, ImplFactory
 from atom.layers.mla_impl import NativeMLAImpl
 from atom_vllm.backend import PLAIN_CACHE_DTYPES, AtomAttentionBackend, AtomMLABackend
@@ -148,9 +147,7 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
             return q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.spec.v_head_dim)
         self.num_calls += 1
         # vLLM binds a [num_blocks, 1, block_size, L + R] view: one latent "head".
-        self.impl.bind_kv_cache(self.kv_cache[:, 0])
-        with set_forward_context(metadata):
-            return self.impl(q_nope, q_pe, kv_c, k_pe)
+        return self.impl.attend(q_nope, q_pe, kv_c, k_pe, self.kv_cache[:, 0], metadata)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_name!r}, backend=AtomMLABackend, impl=NativeMLAImpl"

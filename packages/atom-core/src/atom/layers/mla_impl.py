@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.forward_context import get_forward_context
+from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.kernels import mla_attention, write_mla_cache
 from atom.kernels.policy import is_capturable
 from atom.layers.attention_spec import AttentionSpec
@@ -71,12 +71,26 @@ class NativeMLAImpl(nn.Module):
                 f"{self.spec.layer_name}: attention needs a KV cache and step metadata "
                 "(run the model under atom.forward_context.set_forward_context)"
             )
+        return self.attend(q_nope, q_pe, kv_c, k_pe, self.kv_cache, metadata)
+
+    def attend(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The MLA step over a cache and metadata the caller owns (a host's latent cache
+        and its builder's metadata): latent write, then absorbed decode and up-projected
+        prefill."""
         if self.w_uk is None:
             raise RuntimeError(
                 f"{self.spec.layer_name}: kv_b_proj is not split yet "
                 "(call atom.loader.process_weights_after_loading after loading weights)"
             )
-        write_mla_cache(kv_c, k_pe, self.kv_cache, metadata.slot_mapping)
+        write_mla_cache(kv_c, k_pe, kv_cache, metadata.slot_mapping)
         return mla_attention(
-            q_nope, q_pe, self.kv_cache, metadata, self.spec.scale, self.w_uk, self.w_uv
+            q_nope, q_pe, kv_cache, metadata, self.spec.scale, self.w_uk, self.w_uv
         )
