@@ -30,6 +30,7 @@ ARCHS = [
     "Qwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
 ]
 ATOM = {**ENGINE, "attention_backend": "atom"}
 STOCK = {**ENGINE, "attention_backend": "torch_native"}
@@ -40,6 +41,7 @@ REFERENCE = {
     "LlamaForCausalLM": (STOCK, PLUGIN_OFF),
     "Qwen3ForCausalLM": (ATOM, {"ATOM_SGLANG_BACKEND_ONLY": "1"}),
     "Qwen3MoeForCausalLM": (STOCK, PLUGIN_OFF),
+    "Glm4MoeForCausalLM": (STOCK, PLUGIN_OFF),
 }
 # SGLang's own DeepSeek does not start on its CPU engine with these checkpoints (both
 # reasons still in 0.5.21's source), so ATOM's DeepSeek is compared with HF only:
@@ -85,14 +87,15 @@ def runs(checkpoints, unaligned, tmp_path_factory):
         engine, env = REFERENCE[arch]
         return run(f"{arch}-sglang", arch, engine, env)
 
-    llama, qwen3, moe, v2, v3 = ARCHS
+    llama, qwen3, moe, v2, v3, glm = ARCHS
     moe48, dense200 = UNALIGNED
-    # Two processes (one per core), six engines each.
+    # Two processes (one per core), seven engines each.
     jobs = [
-        [run(f"{a}-atom", a, ATOM) for a in (llama, moe, v3, moe48)]
+        [run(f"{a}-atom", a, ATOM) for a in (llama, moe, v3, glm, moe48)]
         + [reference(qwen3), run("external", qwen3, STOCK, EXTERNAL)],
         [run(f"{a}-atom", a, ATOM) for a in (qwen3, v2, dense200)]
-        + [reference(llama), reference(moe), run("unsupported", UNSUPPORTED, STOCK)],
+        + [reference(a) for a in (llama, moe, glm)]
+        + [run("unsupported", UNSUPPORTED, STOCK)],
     ]
     return run_jobs(jobs, tmp_path_factory.mktemp("sglang-jobs"))
 

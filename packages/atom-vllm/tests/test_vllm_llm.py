@@ -32,6 +32,7 @@ CANDIDATES = [
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Glm4MoeForCausalLM",
 ]
 SERVED = set(served_architectures())
 ARCHS = [a for a in CANDIDATES if a in SERVED]

@@ -372,5 +372,6 @@ def test_served_architectures_include_mla_models_when_installed():
         ("DeepseekV2ForCausalLM", "atom.models.deepseek_v2"),
         ("Qwen3MoeForCausalLM", "atom.models.qwen3_moe"),
         ("MixtralForCausalLM", "atom.models.mixtral"),
+        ("Glm4MoeForCausalLM", "atom.models.glm4_moe"),
     ]:
         assert (arch in served) == (importlib.util.find_spec(module) is not None)

@@ -64,6 +64,13 @@ _ENTRIES = (
         attention="MLA",
         moe=True,
     ),
+    ModelEntry(
+        "Glm4MoeForCausalLM",
+        "atom.models.glm4_moe",
+        "Glm4MoeForCausalLM",
+        "GLM-4.5 / 4.6 / 4.7 (and -Air)",
+        moe=True,
+    ),
 )
 
 _BY_ARCH = {entry.architecture: entry for entry in _ENTRIES}

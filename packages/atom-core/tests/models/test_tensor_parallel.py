@@ -16,6 +16,7 @@ from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, 
 from atom.testing import tiny_config
 from tests.models.harness import make_prompts, write_checkpoint
 from tests.models.test_deepseek import CASES as DEEPSEEK_CASES
+from tests.models.test_glm4_moe import CASES as GLM_CASES
 from tests.models.test_llama import llama_config
 from tests.models.test_moe_models import CASES as MOE_CASES
 
@@ -71,6 +72,7 @@ CASES = {
     "deepseek-v3-mla-qlora": DEEPSEEK_CASES["v3-grouped-qlora-dense1"],
     "qwen3-moe": MOE_CASES["qwen3-moe-top2-norm"],
     "mixtral-mqa": MOE_CASES["mixtral-top1-mqa"],
+    "glm4-moe-qk-norm-dense1": GLM_CASES["glm-4.5-dense1"],
 }
 
 

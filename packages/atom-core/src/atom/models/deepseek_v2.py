@@ -1,13 +1,13 @@
 """DeepSeek-V2 and DeepSeek-V3: MLA attention, dense first layers, routed + shared experts.
 
-The two differ only in routing, which the config names (as in DeepSeek's own code):
-V2 scores experts with a softmax and picks top-k greedily or within the best groups
-(`topk_method` greedy / group_limited_greedy); V3 scores with a sigmoid and picks by
-score + a learned correction bias within the best groups (`noaux_tc`).
+The two differ only in routing, which the config names (`atom.layers.moe_routing`).
+GLM-4.x MoE (`atom.models.glm4_moe`) reuses the MoE block, the layer plan and the loader.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,31 +18,21 @@ from atom.config import get_rope_parameters
 from atom.layers.linear import ReplicatedLinear
 from atom.layers.mla import MultiHeadLatentAttention
 from atom.layers.moe import FusedMoE
+from atom.layers.moe_routing import grouped_topk_routing
 from atom.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
-# Routing of configs that do not name it: what each generation's reference code does.
-_DEFAULT_ROUTING = {"deepseek_v2": ("softmax", "greedy"), "deepseek_v3": ("sigmoid", "noaux_tc")}
+logger = logging.getLogger(__name__)
+
+# The router's bias lives next to its weight in checkpoints; FusedMoE routes with it.
+CORRECTION_BIAS_MAPPING = (
+    ".experts.e_score_correction_bias",
+    ".gate.e_score_correction_bias",
+    None,
+)
 
 
 def _layer_index(prefix: str) -> int:
     return int(prefix.split("layers.")[1].split(".")[0])
-
-
-def _routing_kwargs(config: Any) -> dict[str, Any]:
-    """FusedMoE routing arguments; DeepSeek always routes through `grouped_topk`, which
-    without groups is plain top-k and also applies routed_scaling_factor."""
-    scoring, method = _DEFAULT_ROUTING.get(config.model_type, _DEFAULT_ROUTING["deepseek_v2"])
-    method = getattr(config, "topk_method", None) or method
-    grouped = method in ("group_limited_greedy", "noaux_tc")
-    return dict(
-        scoring_func=getattr(config, "scoring_func", None) or scoring,
-        use_grouped_topk=True,
-        num_expert_group=config.n_group if grouped else None,
-        topk_group=config.topk_group if grouped else None,
-        e_score_correction_bias=method == "noaux_tc",
-        renormalize=bool(config.norm_topk_prob),
-        routed_scaling_factor=config.routed_scaling_factor,
-    )
 
 
 class DeepseekV2MoE(nn.Module):
@@ -62,7 +52,7 @@ class DeepseekV2MoE(nn.Module):
             reduce_results=True,
             quant_config=quant_config,
             prefix=f"{prefix}.experts",
-            **_routing_kwargs(config),
+            **grouped_topk_routing(config),
         )
         self.shared_experts = None
         if config.n_shared_experts:
@@ -121,7 +111,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     stacked_params_mapping = [
         (".gate_up_proj", ".gate_proj", 0),
         (".gate_up_proj", ".up_proj", 1),
-        (".experts.e_score_correction_bias", ".gate.e_score_correction_bias", None),
+        CORRECTION_BIAS_MAPPING,
     ]
 
     def expert_params_mapping(self) -> list:
@@ -129,11 +119,27 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             "gate_proj", "down_proj", "up_proj", self.config.n_routed_experts
         )
 
-    def skip_checkpoint_tensor(self, name: str) -> bool:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Multi-token-prediction layers follow the last decoder layer; ATOM does not run them.
-        if name.startswith("model.layers.") and _layer_index(name) >= self.config.num_hidden_layers:
-            return True
-        return super().skip_checkpoint_tensor(name)
+        mtp_layers: set[int] = set()
+
+        def without_mtp() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith("model.layers."):
+                    index = _layer_index(name)
+                    if index >= self.config.num_hidden_layers:
+                        mtp_layers.add(index)
+                        continue
+                yield name, tensor
+
+        loaded = super().load_weights(without_mtp())
+        if mtp_layers:
+            logger.info(
+                "%s: skipped the checkpoint's multi-token-prediction layers %s (not run by ATOM)",
+                type(self).__name__,
+                sorted(mtp_layers),
+            )
+        return loaded
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -40,9 +40,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """GQA self-attention; `qk_norm` adds Qwen3's per-head RMSNorm on q and k before rope."""
+    """GQA self-attention; `qk_norm` adds Qwen3's per-head RMSNorm on q and k before rope.
 
-    def __init__(self, config: Any, quant_config=None, prefix: str = "", qk_norm: bool = False):
+    `attention_bias` gives q/k/v and o biases; `o_proj_bias=False` keeps it off o (GLM).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        quant_config=None,
+        prefix: str = "",
+        qk_norm: bool = False,
+        o_proj_bias: bool = True,
+    ):
         super().__init__()
         tp_size = get_tp_group().world_size
         self.total_num_heads = config.num_attention_heads
@@ -69,15 +79,20 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             self.total_num_heads * self.head_dim,
             config.hidden_size,
-            bias=bias,
+            bias=bias and o_proj_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
+        )
+        rope_parameters = get_rope_parameters(config)
+        # transformers 5.x moves partial_rotary_factor into rope_parameters (5.24 only there).
+        rotary_factor = rope_parameters.get(
+            "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)
         )
         self.rotary_emb = get_rope(
             self.head_dim,
             config.max_position_embeddings,
-            get_rope_parameters(config),
-            rotary_dim=int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0)),
+            rope_parameters,
+            rotary_dim=int(self.head_dim * rotary_factor),
         )
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

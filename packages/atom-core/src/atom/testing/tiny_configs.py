@@ -77,6 +77,26 @@ _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "DeepseekV3Config",
         dict(_MLA, n_group=4, topk_group=2, routed_scaling_factor=2.5),
     ),
+    # GLM-4.x MoE: a dense first layer, then V3 routing (4 groups, 2 picked) with shared
+    # experts; q/k/v biases, QK-norm, rotary on half of each head; expert MLPs of 96
+    # (no multiple of 64, the usual kernel block).
+    "Glm4MoeForCausalLM": (
+        "Glm4MoeConfig",
+        dict(
+            _MHA,
+            moe_intermediate_size=96,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            partial_rotary_factor=0.5,
+            use_qk_norm=True,
+            attention_bias=True,
+        ),
+    ),
     # An architecture ATOM does not implement: the hosts' fall-back path.
     "GPT2LMHeadModel": (
         "GPT2Config",
