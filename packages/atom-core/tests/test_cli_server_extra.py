@@ -31,7 +31,7 @@ BLOCKER = textwrap.dedent(
 @pytest.mark.parametrize(
     ("command", "blocked"),
     [("serve", ("fastapi", "starlette", "uvicorn")), ("serve", ("uvicorn",)),
-     ("demo", ("httpx",))],
+     ("serve", ("prometheus_client",)), ("demo", ("httpx",))],
 )  # fmt: skip
 def test_server_commands_without_server_extra_say_how_to_install_it(tmp_path, command, blocked):
     (tmp_path / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(blocked)))

@@ -72,7 +72,9 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 # Top-level modules that only the `server` extra brings (with their own dependencies).
-SERVER_EXTRA_MODULES = frozenset({"fastapi", "starlette", "pydantic", "uvicorn", "jinja2", "httpx"})
+SERVER_EXTRA_MODULES = frozenset(
+    {"fastapi", "starlette", "pydantic", "uvicorn", "jinja2", "httpx", "prometheus_client"}
+)
 SERVER_EXTRA_HINT = 'pip install "atom-core[server]"'
 
 

@@ -92,9 +92,12 @@ def test_preemption_keeps_tokens_and_frees_blocks(checkpoint, prompts, hf_greedy
     # 12 blocks of 8 tokens: the longest sequence alone needs 8, so the six prompts
     # cannot all be resident and the scheduler must preempt and recompute.
     llm = engine(checkpoint, block_size=8, num_blocks=12, async_scheduling=overlap)
-    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert tokens(outputs) == hf_greedy
     assert llm.engine.stats().num_preemptions > 0
     assert_all_blocks_free(llm)
+    for m in (output.metrics for output in outputs):  # the stages stamped in order
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
 
 
 @ASYNC

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 import atom
 
@@ -45,11 +46,37 @@ def running_server(model: str, **options) -> Iterator[str]:
             process.kill()
 
 
-def scrape_metrics(url: str) -> dict[str, float]:
-    """Sample name (with its labels) -> value, from GET /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    samples = (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-    return {name: float(value) for name, value in samples}
+def scrape_metrics(url: str, model: str = MODEL) -> dict[str, float]:
+    """GET /metrics, parsed by `parse_metrics`."""
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text, model)
+
+
+def parse_metrics(text: str, model: str) -> dict[str, float]:
+    """Prometheus text parsed by prometheus_client: sample -> value, a sample written as in
+    the text format but without its model_name label, which every sample must carry with
+    the value `model`: `atom:request_success_total{finished_reason="abort"}`."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name", None) == model, sample
+            written = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            samples[f"{sample.name}{{{written}}}" if written else sample.name] = sample.value
+    return samples
+
+
+def wait_until_idle(url: str, timeout_s: float = 20) -> dict[str, float]:
+    """Polls /metrics until nothing runs or waits and every KV block is free; returns
+    that scrape."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = scrape_metrics(url)
+        idle = metrics["atom:num_requests_running"] == metrics["atom:num_requests_waiting"] == 0
+        if idle and metrics["atom:kv_cache_usage_perc"] == 0:
+            return metrics
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine is not idle after {timeout_s} s: {metrics}")
+        time.sleep(0.1)
 
 
 def _free_port() -> int:

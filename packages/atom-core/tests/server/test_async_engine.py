@@ -9,6 +9,7 @@ import pytest
 from atom.engine.llm_engine import EngineStats
 from atom.sampling_params import SamplingParams
 from atom.server.async_engine import AsyncEngine
+from atom.server.metrics import ServingMetrics
 
 
 class FailingEngine:
@@ -19,7 +20,9 @@ class FailingEngine:
     def __init__(self):
         self.requests: dict[str, str] = {}
 
-    def add_request(self, prompt: str, params: SamplingParams, request_id: str) -> str:
+    def add_request(
+        self, prompt: str, params: SamplingParams, request_id: str, arrival_time: float | None
+    ) -> str:
         if not prompt:
             raise ValueError("prompt is empty")
         self.requests[request_id] = prompt
@@ -38,6 +41,17 @@ class FailingEngine:
         return EngineStats(0, 0, 1, 1, 0.0, 0, 0, 0)
 
 
+def engine_with_metrics(fake: FailingEngine) -> tuple[AsyncEngine, ServingMetrics]:
+    engine = AsyncEngine(fake)
+    metrics = ServingMetrics("fake", engine.stats)
+    engine.add_metrics(metrics)
+    return engine, metrics
+
+
+def sample(metrics: ServingMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, {"model_name": "fake", **labels})
+
+
 async def drain(stream) -> None:
     async for _ in stream:
         pass
@@ -49,10 +63,10 @@ def test_bad_prompt_in_a_batch_adds_nothing():
             await engine.submit(["fine", ""], SamplingParams())
 
     fake = FailingEngine()
-    engine = AsyncEngine(fake)
+    engine, metrics = engine_with_metrics(fake)
     try:
         asyncio.run(scenario(engine))
-        assert fake.requests == {} and engine.counters.requests == 0
+        assert fake.requests == {} and sample(metrics, "atom:requests_total") == 0
     finally:
         engine.shutdown()
 
@@ -66,10 +80,10 @@ def test_step_failure_fails_requests_and_the_loop_goes_on():
             assert stream.finished
 
     fake = FailingEngine()
-    engine = AsyncEngine(fake)
+    engine, metrics = engine_with_metrics(fake)
     try:
         asyncio.run(scenario(engine))
         assert engine.is_alive and fake.requests == {}
-        assert engine.counters.finished["abort"] == 4
+        assert sample(metrics, "atom:request_success_total", finished_reason="abort") == 4
     finally:
         engine.shutdown()

@@ -4,31 +4,17 @@ blocks are freed while the other requests run to their full length."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 
 from atom.demo import WORDS
-from tests.server.server_process import MODEL, scrape_metrics
+from tests.server.server_process import MODEL, scrape_metrics, wait_until_idle
 
 NUM_STREAMS, NUM_LEAVING = 50, 10
 FULL_TOKENS, LEAVING_TOKENS = 20, 200  # a leaving client's request would run long
-ABORTED = 'atom_requests_finished_total{finish_reason="abort"}'
-
-
-def wait_until_idle(server: str, timeout_s: float = 20) -> dict[str, float]:
-    """Polls /metrics until nothing runs or waits and every KV block is free."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = scrape_metrics(server)
-        idle = metrics["atom_num_requests_running"] == metrics["atom_num_requests_waiting"] == 0
-        if idle and metrics["atom_kv_cache_free_blocks"] == metrics["atom_kv_cache_blocks"]:
-            return metrics
-        if time.monotonic() > deadline:
-            pytest.fail(f"the engine is not idle after {timeout_s} s: {metrics}")
-        time.sleep(0.1)
+ABORTED = 'atom:request_success_total{finished_reason="abort"}'
 
 
 async def full_stream(client: openai.AsyncOpenAI, prompt: str) -> tuple[int, str | None, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ from atom.config import EngineConfig
 from atom.engine.block_manager import BlockManager
 from atom.engine.detokenizer import Detokenizer, find_stop_string
 from atom.engine.executor import Executor
-from atom.engine.outputs import CompletionOutput, RequestOutput
+from atom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from atom.engine.sampler import PendingSamples, Sampler, prompt_logprob_entries, uses_penalties
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
@@ -102,14 +103,21 @@ class LLMEngine:
             )
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
+        """arrival_time: `time.monotonic()` when the request arrived (default: now); its
+        RequestMetrics count from it."""
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.encode(prompt)
         self.validate_prompt(ids, params)
-        seqs = [Sequence(ids, params, request_id, i) for i in range(params.n)]
+        metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        seqs = [Sequence(ids, params, request_id, i, metrics) for i in range(params.n)]
         self.requests[request_id] = _Request(
             request_id, prompt if isinstance(prompt, str) else None, ids, seqs
         )
@@ -204,13 +212,14 @@ class LLMEngine:
     def _finish(self, step: _Step, finished_only: bool) -> list[RequestOutput]:
         """Brings a step's tokens to the host, then does its bookkeeping."""
         results = step.samples.results() if step.samples is not None else []
+        arrived = time.monotonic()  # when this step's tokens reached the host
         # Sequences that stopped (or were aborted) while this step was in flight are
         # done; their rows here are the extra ones.
         running = [seq for seq in step.seqs if not seq.is_finished]
         live = set(running)
         for seq, result in zip(step.plan.samples, results):
             if seq in live:
-                self._take_token(seq, result)
+                self._take_token(seq, result, arrived)
         block_manager = self.block_manager
         hashing = block_manager.enable_prefix_caching
         block_size = block_manager.block_size
@@ -233,12 +242,16 @@ class LLMEngine:
                 outputs.append(self._output(request))
         return outputs
 
-    def _take_token(self, seq: Sequence, result) -> None:
+    def _take_token(self, seq: Sequence, result, arrived: float) -> None:
         """Appends a sampled token, or fills the placeholder a fed step left for it."""
         if seq.token_ids[-1] == PLACEHOLDER_TOKEN:
             seq.token_ids[-1] = result.token_id
         else:
             seq.token_ids.append(result.token_id)
+        metrics = seq.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = arrived
+        metrics.last_token_time = arrived
         seq.cumulative_logprob += result.logprob
         if result.top_logprobs is not None:
             seq.logprobs.append(result.top_logprobs)
@@ -290,6 +303,7 @@ class LLMEngine:
             prompt_logprobs=first.prompt_logprobs,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
+            metrics=first.metrics,
         )
 
     def shutdown(self) -> None:

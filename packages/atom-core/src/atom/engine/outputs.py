@@ -20,6 +20,21 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request reached each stage, in `time.monotonic()` seconds (None: not yet).
+
+    The request's own record, updated as it advances: first_scheduled_time when the
+    scheduler first ran one of its sequences, the token times when a sampled token of any
+    of them reached the host.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -28,6 +43,7 @@ class RequestOutput:
     prompt_logprobs: Logprobs | None = None
     finished: bool = True
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ preempted (its pages freed, recomputed later) and resumes before any new request
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -67,6 +68,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, n)
+            # The request's first admission counts, not its siblings' or a resumption's.
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running[seq] = None
             chosen.append((seq, n))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import time
 from enum import Enum, auto
 
 import torch
 
+from atom.engine.outputs import RequestMetrics
 from atom.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -25,7 +27,10 @@ class Sequence:
         params: SamplingParams,
         request_id: str = "",
         completion_index: int = 0,
+        metrics: RequestMetrics | None = None,
     ):
+        """`metrics`: the record of the request this sequence is a completion of, shared by
+        its sibling sequences (default: a record of its own, arriving now)."""
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.completion_index = completion_index
@@ -48,6 +53,7 @@ class Sequence:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.metrics = metrics if metrics is not None else RequestMetrics(time.monotonic())
 
     def __len__(self) -> int:
         return len(self.token_ids)

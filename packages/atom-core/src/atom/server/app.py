@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 import atom
 from atom.server.async_engine import AsyncEngine
@@ -12,7 +12,7 @@ from atom.server.chat import chat_prompt, create_chat_completion
 from atom.server.completions import create_completion
 from atom.server.context import ServerContext
 from atom.server.errors import APIError, install_error_handlers
-from atom.server.metrics import render_metrics
+from atom.server.metrics import ServingMetrics
 from atom.server.middleware import APIKeyMiddleware, RequestIdMiddleware
 from atom.server.options import ServeOptions
 from atom.server.protocol import (
@@ -42,6 +42,8 @@ def build_app(
     """`chat_template`: the template text (--chat-template, already read from its file)."""
     options = options or ServeOptions(served_model_name=served_model_name)
     ctx = ServerContext.of(engine, options, chat_template)
+    serving_metrics = ServingMetrics(ctx.model, engine.stats)
+    engine.add_metrics(serving_metrics)
     app = FastAPI(title="ATOM", summary="OpenAI-compatible server of the ATOM native engine")
     install_error_handlers(app)
     if options.api_key is not None:
@@ -78,8 +80,7 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = render_metrics(engine.stats(), engine.counters)
-        return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
+        return Response(serving_metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> Response:

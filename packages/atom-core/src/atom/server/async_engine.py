@@ -15,9 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from atom.engine.llm_engine import EngineStats, LLMEngine
-from atom.engine.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
-from atom.server.metrics import ServingCounters
+from atom.server.metrics import ServingMetrics
 from atom.server.output_stream import OutputStream
 
 logger = logging.getLogger(__name__)
@@ -28,14 +27,13 @@ Prompt = str | list[int]
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.counters = ServingCounters()
         self._stats = engine.stats()
         self._commands: queue.SimpleQueue[tuple[Future, Callable, tuple]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = False
-        # Owned by the engine thread: live request id -> its stream, and tokens counted so far.
+        # Owned by the engine thread: live request id -> its stream; the metrics it feeds.
         self._streams: dict[str, OutputStream] = {}
-        self._counted_tokens: dict[str, int] = {}
+        self._metrics: list[ServingMetrics] = []
         self._thread = threading.Thread(target=self._run, name="atom-engine", daemon=True)
         self._thread.start()
 
@@ -59,11 +57,20 @@ class AsyncEngine:
         """The engine's stats after its latest step or command (read without waiting for it)."""
         return self._stats
 
-    async def submit(self, prompts: list[Prompt], params: SamplingParams) -> OutputStream:
-        """Adds one engine request per prompt; raises the engine's ValueError for a bad one."""
+    def add_metrics(self, metrics: ServingMetrics) -> None:
+        """Feeds `metrics` every request's progress from now on."""
+        self._post(self._metrics.append, metrics)
+
+    async def submit(
+        self, prompts: list[Prompt], params: SamplingParams, arrival_time: float | None = None
+    ) -> OutputStream:
+        """Adds one engine request per prompt; raises the engine's ValueError for a bad one.
+        arrival_time: `time.monotonic()` when the request arrived (default: when the engine
+        takes it)."""
         stream = OutputStream(len(prompts))
+        add = self._post(self._add, stream, prompts, params, arrival_time)
         try:
-            await asyncio.wrap_future(self._post(self._add, stream, prompts, params))
+            await asyncio.wrap_future(add)
         except asyncio.CancelledError:
             self.abort(stream)  # the add may have run before the cancellation reached it
             raise
@@ -110,11 +117,17 @@ class AsyncEngine:
             except Exception as exc:
                 future.set_exception(exc)
 
-    def _add(self, stream: OutputStream, prompts: list[Prompt], params: SamplingParams) -> None:
+    def _add(
+        self,
+        stream: OutputStream,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        arrival_time: float | None,
+    ) -> None:
         added: list[str] = []
         try:
             for request_id, prompt in zip(stream.request_ids, prompts):
-                self.engine.add_request(prompt, params, request_id)
+                self.engine.add_request(prompt, params, request_id, arrival_time)
                 added.append(request_id)
         except ValueError as exc:
             for request_id in added:
@@ -124,14 +137,15 @@ class AsyncEngine:
             raise ValueError(f"prompt {len(added)}: {exc}") from exc
         for request_id in added:
             self._streams[request_id] = stream
-        self.counters.requests += len(added)
+        for metrics in self._metrics:
+            metrics.added(added)
 
     def _abort(self, stream: OutputStream) -> None:
-        for request_id in stream.request_ids:
-            if self._streams.pop(request_id, None) is not None:
-                self.engine.abort_request(request_id)
-                self._counted_tokens.pop(request_id, None)
-                self.counters.finished["abort"] += 1
+        aborted = [r for r in stream.request_ids if self._streams.pop(r, None) is not None]
+        for request_id in aborted:
+            self.engine.abort_request(request_id)
+        for metrics in self._metrics:
+            metrics.aborted(aborted)
 
     def _step(self) -> None:
         try:
@@ -141,28 +155,18 @@ class AsyncEngine:
             logger.exception("engine step failed; aborting %d requests", len(self._streams))
             for request_id in self._streams:
                 self.engine.abort_request(request_id)
-            self.counters.finished["abort"] += len(self._streams)
+            for metrics in self._metrics:
+                metrics.aborted(list(self._streams))
             for stream in set(self._streams.values()):
                 stream.push(exc)
             self._streams.clear()
-            self._counted_tokens.clear()
             return
         for output in outputs:
-            self._count_tokens(output)
+            # Recorded before the client can see the output: a client that has its
+            # response finds it in /metrics.
+            for metrics in self._metrics:
+                metrics.output(output)
             stream = self._streams[output.request_id]
             if output.finished:
                 del self._streams[output.request_id]
-                self.counters.finished[output.outputs[0].finish_reason] += 1
             stream.push(output)
-
-    def _count_tokens(self, output: RequestOutput) -> None:
-        generated = sum(len(c.token_ids) for c in output.outputs)
-        if output.request_id not in self._counted_tokens:
-            self.counters.prompt_tokens += len(output.prompt_token_ids)
-        self.counters.generation_tokens += generated - self._counted_tokens.get(
-            output.request_id, 0
-        )
-        if output.finished:
-            self._counted_tokens.pop(output.request_id, None)
-        else:
-            self._counted_tokens[output.request_id] = generated

@@ -3,6 +3,7 @@ generation."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -38,10 +39,11 @@ from atom.server.tools import ParsedToolCall, forced_call_guide, tool_call_reade
 async def create_chat_completion(
     ctx: ServerContext, request: ChatCompletionRequest, http_request: Request
 ) -> Response:
+    arrival_time = time.monotonic()  # latency metrics count the template and tokenizing too
     ctx.limits.check_choices(request, 1)
     params = await sampling_params_of(ctx, request, _guide(request))
     prompt = await chat_prompt(ctx, request)
-    stream = await submit(ctx, [prompt], params, param="messages")
+    stream = await submit(ctx, [prompt], params, "messages", arrival_time)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if request.stream:
         chunks = _chunks(ctx, stream, params, response_id, request)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -30,10 +31,12 @@ from atom.server.streaming import Delta, DeltaTracker, event_stream
 async def create_completion(
     ctx: ServerContext, request: CompletionRequest, http_request: Request
 ) -> Response:
+    arrival_time = time.monotonic()  # latency metrics count tokenizing too
     prompts = request.prompts()
     ctx.limits.check_choices(request, len(prompts))
     params = await sampling_params_of(ctx, request, request.guide_spec())
-    stream = await submit(ctx, await tokenized(ctx, prompts, "prompt"), params, param="prompt")
+    token_ids = await tokenized(ctx, prompts, "prompt")
+    stream = await submit(ctx, token_ids, params, "prompt", arrival_time)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     # Without a tokenizer the text is empty, so the choices carry their token ids.
     with_ids = bool(request.return_token_ids) or ctx.engine.tokenizer is None

@@ -49,12 +49,16 @@ async def tokenized(
 
 
 async def submit(
-    ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, param: str
+    ctx: ServerContext,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    param: str,
+    arrival_time: float,
 ) -> OutputStream:
     """Submits; a prompt or parameter the engine refuses (empty, too long, bad ids)
-    becomes a 400."""
+    becomes a 400. arrival_time: `time.monotonic()` when the handler took the request."""
     try:
-        return await ctx.engine.submit(prompts, params)
+        return await ctx.engine.submit(prompts, params, arrival_time)
     except ValueError as exc:
         raise APIError(400, str(exc), param=_field_named(exc) or param) from exc
 
