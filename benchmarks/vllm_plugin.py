@@ -19,7 +19,8 @@ CUDA graphs on (enforce_eager=False; no torch.compile, FULL_DECODE_ONLY graphs, 
 sides capture their decode steps), prefix caching, chunked prefill (48-token budget);
 ATOM's kernels are Triton there (the kernel policy's choice on CUDA).
 
-The reference is vLLM's own model (plugin off) for Llama, Qwen3, Qwen3-MoE and Mixtral.
+The reference is vLLM's own model (plugin off) for Llama, Qwen3, Qwen3-MoE, Mixtral, GLM-4.x
+MoE, GPT-OSS and MiniMax-M2.
 vLLM's GPU MLA backends take fp16/bf16 only, so its own DeepSeek cannot run in fp32: as on
 CPU, DeepSeek-V2/V3 are compared with HF transformers' greedy tokens (fp32, GPU), which
 every architecture also reports. Triton dots in fp32 default to tf32; both engines get
@@ -46,7 +47,14 @@ from plugin_equality import (
 from atom.bench.engines import ENGINES, engine_env
 
 MODES = {"atom": ENGINES["vllm-atom"], "vllm": ENGINES["vllm"]}
-VLLM_REFERENCE = [*ARCHITECTURES, "Qwen3MoeForCausalLM", "MixtralForCausalLM"]
+VLLM_REFERENCE = [
+    *ARCHITECTURES,
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Glm4MoeForCausalLM",
+    "GptOssForCausalLM",
+    "MiniMaxM2ForCausalLM",
+]
 HF_REFERENCE = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
 
 

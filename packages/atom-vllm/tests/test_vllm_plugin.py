@@ -229,7 +229,7 @@ def test_backend_declares_capabilities():
     b = AtomAttentionBackend
     assert b.get_name() == "CUSTOM"
     assert b.supports_block_size(16) and b.supports_block_size(1)
-    assert b.supports_sliding_window() and not b.is_mla()
+    assert b.supports_sliding_window() and b.supports_sink() and not b.is_mla()
     assert b.supports_dtype(torch.float32) and b.supports_dtype(torch.bfloat16)
     assert not b.supports_kv_cache_dtype("fp8")
     assert AtomAttentionMetadataBuilder.reorder_batch_threshold == 1
@@ -373,5 +373,7 @@ def test_served_architectures_include_mla_models_when_installed():
         ("Qwen3MoeForCausalLM", "atom.models.qwen3_moe"),
         ("MixtralForCausalLM", "atom.models.mixtral"),
         ("Glm4MoeForCausalLM", "atom.models.glm4_moe"),
+        ("GptOssForCausalLM", "atom.models.gpt_oss"),
+        ("MiniMaxM2ForCausalLM", "atom.models.minimax_m2"),
     ]:
         assert (arch in served) == (importlib.util.find_spec(module) is not None)

@@ -71,6 +71,21 @@ _ENTRIES = (
         "GLM-4.5 / 4.6 / 4.7 (and -Air)",
         moe=True,
     ),
+    ModelEntry(
+        "GptOssForCausalLM",
+        "atom.models.gpt_oss",
+        "GptOssForCausalLM",
+        "GPT-OSS (20B / 120B)",
+        moe=True,
+        quant=("mxfp4 (experts dequantized at load)",),
+    ),
+    ModelEntry(
+        "MiniMaxM2ForCausalLM",
+        "atom.models.minimax_m2",
+        "MiniMaxM2ForCausalLM",
+        "MiniMax-M2",
+        moe=True,
+    ),
 )
 
 _BY_ARCH = {entry.architecture: entry for entry in _ENTRIES}

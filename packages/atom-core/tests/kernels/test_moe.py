@@ -271,3 +271,46 @@ def test_fused_moe_layer_loads_per_expert_checkpoint(world_size):
             out += model.mlp.experts(x, logits)  # the all-reduce over ranks
     weights, ids = topk_softmax(logits, 3, True)
     torch.testing.assert_close(out, naive_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def gpt_oss_experts(num_experts: int, hidden: int, inter: int, limit: float):
+    """HF's GptOssExperts with random weights and biases, and the same experts in ATOM's
+    layout: gate/up interleaved along HF's last dim become w13's gate rows then up rows."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(
+        hidden_size=hidden, intermediate_size=inter, num_local_experts=num_experts,
+        swiglu_limit=limit,
+    )  # fmt: skip
+    experts = GptOssExperts(config)
+    experts.alpha, experts.limit = 1.702, limit  # transformers 5.12 hardcodes them
+    for param in experts.parameters():
+        torch.nn.init.normal_(param, std=0.5)
+    gate_up = experts.gate_up_proj.detach().transpose(1, 2)  # [E, 2I, H], rows interleaved
+    w13 = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+    b13 = experts.gate_up_proj_bias.detach()
+    b13 = torch.cat([b13[:, 0::2], b13[:, 1::2]], dim=1)
+    w2 = experts.down_proj.detach().transpose(1, 2).contiguous()  # [E, H, I]
+    return experts, (w13, w2, b13, experts.down_proj_bias.detach())
+
+
+@pytest.mark.parametrize("limit", [7.0, 0.5])  # 0.5 clamps most gate and up values
+def test_fused_moe_clamped_swiglu_with_biases_matches_hf_gpt_oss(limit):
+    from atom.kernels.activation import ClampedSwiGLU
+
+    torch.manual_seed(0)
+    experts, (w13, w2, b13, b2) = gpt_oss_experts(8, 32, 24, limit)
+    x = torch.randn(13, 32)
+    weights, ids = topk_softmax(torch.randn(13, 8), 4, True)
+    with torch.no_grad():
+        want = experts(x, ids.long(), weights)
+    got = fused_moe(x, w13, w2, weights, ids, ClampedSwiGLU(1.702, limit), w13_bias=b13, w2_bias=b2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_rejects_an_unknown_activation():
+    x = torch.randn(2, 8)
+    weights, ids = topk_softmax(torch.randn(2, 4), 2, True)
+    with pytest.raises(ValueError, match="unsupported MoE activation 'gelu'"):
+        fused_moe(x, torch.randn(4, 12, 8), torch.randn(4, 8, 6), weights, ids, "gelu")

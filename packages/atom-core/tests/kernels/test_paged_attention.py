@@ -10,13 +10,18 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-from atom.forward_context import AttentionMetadata
+from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels import paged_attention, write_kv_cache
+from atom.kernels.paged_attention import paged_attention_torch
+from atom.layers.attention import Attention
 
 KV_HEADS = 2
 # fp32 kernel vs float64 reference: fp32 rounding over sums of up to ~60 terms.
@@ -195,3 +200,87 @@ def test_bf16_within_one_rounding_of_the_exact_result():
     # averages of N(0, 1) values, so |out| < 4 and 4 * 2^-9 < 1e-2.
     want = expected_output(batch, 0.125, window=8, soft_cap=2.0)
     torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=2**-8)
+
+
+# Decodes, then prefills; contexts beyond GPT-OSS's window of 128 and beyond the small one.
+SINK_BATCH = [(37, 1), (0, 1), (200, 1), (0, 13), (21, 6), (40, 17), (140, 30)]
+
+
+def gpt_oss_attention(batch: Batch, sinks, scale, window) -> torch.Tensor:
+    """HF GPT-OSS's eager attention per sequence, with the dense causal (and sliding
+    window) mask of its new tokens over all its keys: an independent reference."""
+    group = batch.query.shape[1] // KV_HEADS
+    module = SimpleNamespace(num_key_value_groups=group, sinks=sinks, training=False)
+    starts = batch.metadata.host_query_start_loc()
+    outs = []
+    for i, (k, v, context) in enumerate(zip(batch.keys, batch.values, batch.contexts)):
+        q = batch.query[starts[i] : starts[i + 1]]
+        query_pos = torch.arange(context, context + q.shape[0])[:, None]
+        key_pos = torch.arange(k.shape[0])[None, :]
+        allowed = key_pos <= query_pos
+        if window is not None:
+            allowed &= key_pos > query_pos - window
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        out, _ = eager_attention_forward(
+            module,
+            q.float().transpose(0, 1)[None],
+            k.float().transpose(0, 1)[None],
+            v.float().transpose(0, 1)[None],
+            mask[None, None],
+            scale,
+        )
+        outs.append(out[0])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 8, 128])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 8])
+def test_sinks_match_hf_gpt_oss(group, block_size, window, sink_dtype):
+    batch = make_batch(SINK_BATCH, group, block_size, seed=group + block_size)
+    # Sinks around the scores' range, one far above them (that head attends almost nowhere).
+    sinks = (torch.randn(KV_HEADS * group) * 2).to(sink_dtype)
+    sinks[-1] = 30.0
+    scale = 1 / math.sqrt(64)
+    got = paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale,
+        sliding_window=window, sinks=sinks,
+    )  # fmt: skip
+    want = gpt_oss_attention(batch, sinks.float(), scale, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_sinks_need_one_per_query_head():
+    batch = make_batch(MIXED_BATCH, 2, 16)
+    with pytest.raises(ValueError, match="one per query head"):
+        paged_attention(
+            batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125,
+            sinks=torch.zeros(KV_HEADS),
+        )  # fmt: skip
+
+
+def test_attention_layer_uses_the_models_sinks():
+    """The layer holds the model's parameter: values loaded into it after the layer was
+    built reach the kernel (the native impl passes spec.sinks on)."""
+    heads, head_dim, block_size = 8, 32, 4
+    sinks = nn.Parameter(torch.zeros(heads), requires_grad=False)
+    layer = Attention(heads, head_dim, 0.2, KV_HEADS, "layer", sliding_window=3, sinks=sinks)
+    assert layer.spec.sinks is sinks
+    with torch.no_grad():
+        sinks.copy_(torch.randn(heads))  # what the loader does
+    # A decode with 5 cached tokens and a 3-token prefill.
+    metadata = AttentionMetadata.build([1, 3], [6, 3], [[0, 1], [2]], [5, 8, 9, 10])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, heads, head_dim, generator=gen)
+    k = torch.randn(4, KV_HEADS, head_dim, generator=gen)
+    v = torch.randn(4, KV_HEADS, head_dim, generator=gen)
+    cache = torch.randn(3, block_size, KV_HEADS, head_dim, generator=gen)
+    layer.impl.bind_kv_cache(cache.clone(), cache.clone())
+    with set_forward_context(metadata):
+        got = layer(q.flatten(1), k.flatten(1), v.flatten(1))
+    want = paged_attention_torch(
+        q, layer.impl.key_cache, layer.impl.value_cache, metadata, 0.2, 3, None,
+        torch.empty_like(q), sinks=sinks,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want.flatten(1), atol=0, rtol=0)

@@ -146,3 +146,36 @@ def test_paged_attention(dtype, case, window, soft_cap):
     )
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got, want, **tol)
+
+
+# GPT-OSS attention: 64 q / 8 kv heads of 64 dims, sliding window 128 on every other layer.
+# Contexts around and past the window and off the block size; few decodes run split-K
+# and its reduce, 64 and more fill the GPU with one split each (no reduce).
+SINK_CASES = {
+    "split-K": ([3, 127, 128, 129, 1000], [(0, 300), (130, 7)], 16, 64, 8, 64),
+    "one split": ([*range(1, 1000, 15)], [(200, 1)], 16, 64, 8, 64),
+}
+
+
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(SINK_CASES))
+@pytest.mark.parametrize("window", [None, 128, 5])
+def test_paged_attention_with_sinks(window, case, dtype, sink_dtype):
+    decodes, prefills, block_size, heads, kv_heads, head_dim = SINK_CASES[case]
+    query, k_cache, v_cache, md = random_batch(
+        decodes, prefills, block_size, heads, kv_heads, head_dim, dtype
+    )
+    # Around the scores' range, the last head's far above them (it attends almost nowhere).
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(1)) * 2
+    sinks[-1] = 30.0
+    sinks = sinks.to(DEVICE, sink_dtype)
+    scale = head_dim**-0.5
+    got = paged_attention.paged_attention_triton(
+        query, k_cache, v_cache, md, scale, window, None, torch.empty_like(query), sinks=sinks
+    )
+    want = paged_attention_torch(
+        query, k_cache, v_cache, md, scale, window, None, torch.empty_like(query), sinks=sinks
+    )
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got, want, **tol)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from atom.kernels.activation import ClampedSwiGLU
 from atom.kernels.fp8 import quantize_fp8_per_block
 from atom.kernels.moe import fused_moe_torch, grouped_topk_torch, topk_softmax_torch
 from atom.testing.triton_device import triton_test_device
@@ -153,6 +154,22 @@ def test_fused_moe(num_tokens, num_experts, top_k, hidden, inter, dtype):
     got = fused_moe_triton(x, w13, w2, weights, ids, "silu", None, None, None)
     want = fused_moe_torch(x, w13, w2, weights, ids, "silu", None, None, None)
     assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_fused_moe_clamped_swiglu_with_biases(num_tokens, dtype, stacked):
+    """GPT-OSS experts: biases on both GEMMs and the clamped SwiGLU (a limit low enough to
+    clamp many values), with gate and up tiles apart and stacked."""
+    w13, w2 = moe_weights(16, 64, 48, dtype)
+    b13 = torch.randn(16, 96, device=DEVICE).to(dtype)
+    b2 = torch.randn(16, 64, device=DEVICE).to(dtype)
+    x, weights, ids = routed(num_tokens, 16, 4, 64, dtype)
+    args = (x, w13, w2, weights, ids, ClampedSwiGLU(1.702, 0.75), None, None, None, b13, b2)
+    config = MoEConfig.same(16, 32, 32, stacked=stacked)
+    got, want = fused_moe_triton(*args, config=config), fused_moe_torch(*args)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 

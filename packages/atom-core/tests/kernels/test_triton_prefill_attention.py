@@ -68,26 +68,40 @@ def make_batch(decodes, prefills, page_size, heads, kv_heads, head_dim, v_dim, d
     return query, k_cache, v_cache, md, key, value
 
 
-def check(case, dense, config, window=None, soft_cap=None, dtype=torch.float32, whole=False):
+def make_sinks(heads, dtype, seed=0):
+    """Attention-sink logits around the scores' range, the last far above them (that head
+    gives almost all its attention to the sink)."""
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2
+    sinks[-1] = 30.0
+    return sinks.to(DEVICE, dtype)
+
+
+def check(
+    case, dense, config, window=None, soft_cap=None, dtype=torch.float32, whole=False,
+    sinks=False,
+):  # fmt: skip
     decodes, prefills, page_size, heads, kv_heads, head_dim, v_dim = case
     query, k_cache, v_cache, md, key, value = make_batch(
         decodes, prefills, page_size, heads, kv_heads, head_dim, v_dim, dtype
     )
     kv = (key, value) if dense else (None, None)
+    sink_logits = make_sinks(heads, dtype) if sinks else None
     scale = head_dim**-0.5
     out_shape = (query.shape[0], heads, v_dim)
     want = paged_attention_torch(
-        query, k_cache, v_cache, md, scale, window, soft_cap, query.new_zeros(out_shape)
-    )
+        query, k_cache, v_cache, md, scale, window, soft_cap, query.new_zeros(out_shape),
+        sinks=sink_logits,
+    )  # fmt: skip
     got = query.new_zeros(out_shape)
     if whole:  # what the models run: the decode kernel and the picked prefill config
         paged_attention.paged_attention_triton(
-            query, k_cache, v_cache, md, scale, window, soft_cap, got, *kv
+            query, k_cache, v_cache, md, scale, window, soft_cap, got, *kv, sinks=sink_logits
         )
     else:
         prefill_attention.prefill_attention(
-            query, k_cache, v_cache, md, scale, window, soft_cap, got, *kv, config=config
-        )
+            query, k_cache, v_cache, md, scale, window, soft_cap, got, *kv, sinks=sink_logits,
+            config=config,
+        )  # fmt: skip
         got, want = got[md.num_decode_tokens :], want[md.num_decode_tokens :]
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got, want, **tol)
@@ -100,6 +114,7 @@ CASES = {
     "page 32 > block": ([9, 40], [(0, 50), (37, 29)], 32, 6, 2, 64, 64),  # group 3
     "page 24 (nests neither way)": ([], [(0, 30), (50, 41)], 24, 4, 4, 64, 64),
     "group 8": ([], [(40, 37)], 16, 8, 1, 64, 64),
+    "group 8, past window 21": ([], [(150, 40), (0, 70)], 16, 8, 1, 64, 64),
 }
 VARIANTS = {"causal": (None, None), "window": (21, None), "soft cap": (None, 5.0)}
 
@@ -184,3 +199,34 @@ def test_bf16_on_gpu(case, dense):
 @pytest.mark.parametrize("case", ["long + prefixes", "page 1"])
 def test_bf16_window_and_soft_cap_on_gpu(case, dense, variant):
     check(GPU_CASES[case], dense, None, *VARIANTS[variant], dtype=torch.bfloat16, whole=True)
+
+
+SINK_WINDOWS = {"no window": None, "window 21": 21}
+
+
+@pytest.mark.parametrize("window", list(SINK_WINDOWS))
+@pytest.mark.parametrize("dense", [False, True], ids=["pages only", "dense new K/V"])
+@pytest.mark.parametrize("case", ["fresh+prefixed p16", "page 24 (nests neither way)",
+                                  "group 8, past window 21"])  # fmt: skip
+def test_sinks(case, dense, window):
+    check(CASES[case], dense, SMALL, SINK_WINDOWS[window], sinks=True)
+
+
+@pytest.mark.parametrize("window", list(SINK_WINDOWS))
+def test_sinks_with_tma_descriptors(window):
+    check(CASES["group 8, past window 21"], True, SMALL_TMA, SINK_WINDOWS[window], sinks=True)
+
+
+# GPT-OSS: 64 q / 8 kv heads of 64 dims, sliding window 128 on every other layer. Contexts
+# and prompt lengths around and past the window and off the page size; the decodes run
+# the split-K kernel and its reduce.
+GPT_OSS_CASE = ([3, 127, 128, 129, 1000], [(0, 1000), (200, 333), (130, 7), (0, 129)], 16, 64,
+                8, 64, 64)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window", [None, 128, 21], ids=["no window", "window 128", "window 21"])
+@pytest.mark.parametrize("dense", [False, True], ids=["pages only", "dense new K/V"])
+def test_gpt_oss_sinks_on_gpu(dense, window, dtype):
+    check(GPT_OSS_CASE, dense, None, window, dtype=dtype, whole=True, sinks=True)

@@ -7,17 +7,57 @@ every logit is compared with HF's full, cache-free forward of the same tokens.
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from atom.config import ModelConfig
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
 from atom.testing import write_checkpoint  # noqa: F401  (the suites import it from here)
 
 FP32_ATOL = 1e-4
+
+
+def randomize_vectors(folder: Path) -> None:
+    """HF starts biases and the routing correction bias at zero and norms at one; moving
+    every 1-d tensor (and stacked expert biases) makes the test see how each is loaded and
+    applied."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(3)
+    for name, tensor in tensors.items():
+        if tensor.dim() == 1 or name.endswith("_bias"):
+            noise = torch.randn(tensor.shape, generator=gen) * 0.2
+            tensors[name] = (tensor.float() + noise).to(tensor.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def check_mtp_layer_skipped(folder: Path, config, caplog) -> None:
+    """Appends a multi-token-prediction layer after the last decoder layer, DeepSeek-V3
+    style (a copy of the last layer plus eh_proj, enorm / hnorm and a shared head), and
+    checks that ATOM skips it with one log line and still gives HF's logits."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    last, mtp = config.num_hidden_layers - 1, f"model.layers.{config.num_hidden_layers}."
+    extra = {
+        name.replace(f"model.layers.{last}.", mtp): tensor.clone()
+        for name, tensor in tensors.items()
+        if name.startswith(f"model.layers.{last}.")
+    }
+    hidden = config.hidden_size
+    extra[f"{mtp}eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        extra[f"{mtp}{norm}.weight"] = torch.ones(hidden)
+    save_file({**tensors, **extra}, path, metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="atom.models.deepseek_v2"):
+        check_against_hf(folder, prompt_lengths=[6], decode_steps=1)
+    (line,) = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+    skipped = f"skipped the checkpoint's multi-token-prediction layers [{config.num_hidden_layers}]"
+    assert f"{config.architectures[0]}: {skipped}" in line
 
 
 def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
@@ -70,14 +110,16 @@ def check_against_hf(
     dtype: torch.dtype = torch.float32,
     atol: float = FP32_ATOL,
     cached_prefix: int = 0,
+    atom_folder: Path | None = None,
 ) -> float:
     """Prefill a mixed batch, then decode steps (all batched); returns the max abs diff.
 
     With `cached_prefix`, the first prompt's first tokens are run in an earlier step, so
-    its prefill reads them back from the paged cache.
+    its prefill reads them back from the paged cache. `atom_folder`: the checkpoint ATOM
+    loads, when it differs in form from HF's (e.g. quantized).
     """
     hf = load_hf(folder, dtype)
-    paged = PagedModel(folder, dtype)
+    paged = PagedModel(atom_folder or folder, dtype)
     vocab = hf.config.vocab_size
     seqs = make_prompts(vocab, prompt_lengths)
     tables = [paged.pages_for([], len(s) + decode_steps) for s in seqs]

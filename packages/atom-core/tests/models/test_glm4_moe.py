@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import Glm4MoeConfig
 
 from atom.testing import tiny_config, tiny_fields
-from tests.models.harness import check_against_hf, check_greedy_generation, write_checkpoint
+from tests.models.harness import (
+    check_against_hf,
+    check_greedy_generation,
+    check_mtp_layer_skipped,
+    randomize_vectors,
+    write_checkpoint,
+)
 
 # Smaller than atom.testing's defaults (ATOM's paged path has no head_dim floor); the
 # expert MLP stays no multiple of 64 or 32.
@@ -46,19 +50,6 @@ CASES = {
 }
 
 
-def randomize_vectors(folder: Path) -> None:
-    """HF starts biases and the routing correction bias at zero and norms at one; moving
-    every 1-d tensor makes the test see how each is loaded and applied."""
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    gen = torch.Generator().manual_seed(3)
-    for name, tensor in tensors.items():
-        if tensor.dim() == 1:
-            noise = torch.randn(tensor.shape, generator=gen) * 0.2
-            tensors[name] = (tensor.float() + noise).to(tensor.dtype)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 def write_glm(config, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
     write_checkpoint(config, folder, dtype=dtype, init_std=0.1)
     randomize_vectors(folder)
@@ -80,27 +71,9 @@ def test_cached_prefix_and_sharded_checkpoint(tmp_path):
 
 
 def test_mtp_layers_in_checkpoint_are_skipped_with_one_log_line(tmp_path, caplog):
-    # GLM-4.5 checkpoints carry num_nextn_predict_layers MTP layers after the last layer:
-    # a decoder layer plus eh_proj, enorm / hnorm and a shared head.
+    # GLM-4.5 checkpoints carry num_nextn_predict_layers MTP layers after the last layer.
     config = CASES["glm-4.5-dense1"]
-    folder = write_glm(config, tmp_path)
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    last, mtp = config.num_hidden_layers - 1, f"model.layers.{config.num_hidden_layers}."
-    extra = {
-        name.replace(f"model.layers.{last}.", mtp): tensor.clone()
-        for name, tensor in tensors.items()
-        if name.startswith(f"model.layers.{last}.")
-    }
-    hidden = config.hidden_size
-    extra[f"{mtp}eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        extra[f"{mtp}{norm}.weight"] = torch.ones(hidden)
-    save_file({**tensors, **extra}, path, metadata={"format": "pt"})
-    with caplog.at_level(logging.INFO, logger="atom.models.deepseek_v2"):
-        check_against_hf(folder, prompt_lengths=[6], decode_steps=1)
-    (line,) = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
-    assert "Glm4MoeForCausalLM: skipped the checkpoint's multi-token-prediction layers [2]" in line
+    check_mtp_layer_skipped(write_glm(config, tmp_path), config, caplog)
 
 
 def test_bf16_logits_close_to_hf(tmp_path):

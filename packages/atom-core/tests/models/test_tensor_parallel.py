@@ -14,10 +14,12 @@ from atom.config import ModelConfig
 from atom.distributed import SingleProcessGroup, TorchDistributedGroup, set_tp_group
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
 from atom.testing import tiny_config
-from tests.models.harness import make_prompts, write_checkpoint
+from tests.models.harness import make_prompts, randomize_vectors, write_checkpoint
 from tests.models.test_deepseek import CASES as DEEPSEEK_CASES
 from tests.models.test_glm4_moe import CASES as GLM_CASES
+from tests.models.test_gpt_oss import CASES as GPT_OSS_CASES
 from tests.models.test_llama import llama_config
+from tests.models.test_minimax_m2 import CASES as MINIMAX_CASES
 from tests.models.test_moe_models import CASES as MOE_CASES
 
 BLOCK_SIZE = 4
@@ -73,12 +75,17 @@ CASES = {
     "qwen3-moe": MOE_CASES["qwen3-moe-top2-norm"],
     "mixtral-mqa": MOE_CASES["mixtral-top1-mqa"],
     "glm4-moe-qk-norm-dense1": GLM_CASES["glm-4.5-dense1"],
+    # QK-norm over all heads: q and k norms sharded, then k replicated on both ranks.
+    "minimax-m2-qk-norm": MINIMAX_CASES["m2"],
+    "minimax-m2-mqa-qk-norm": MINIMAX_CASES["mqa-top3-full-rotary"],
+    "gpt-oss-sinks-expert-biases": GPT_OSS_CASES["sliding-full"],
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_matches_tp1(tmp_path, name):
     folder = write_checkpoint(CASES[name], tmp_path / "ckpt")
+    randomize_vectors(folder)  # biases and sinks sharded or not, and added once
     expected = run_prefill_and_decode(str(folder))
     result_file = str(tmp_path / "tp2.pt")
     mp.start_processes(

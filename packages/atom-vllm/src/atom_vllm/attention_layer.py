@@ -65,6 +65,7 @@ class VllmAttention(nn.Module):
             attn_backend=AtomAttentionBackend,
             head_size_v=spec.v_head_dim if spec.v_head_dim != spec.head_dim else None,
             qk_rope=spec.qk_rope,
+            sinks=spec.sinks,
         )
         if spec.sliding_window is None and self.attn.sliding_window is not None:
             # vLLM falls back to the model-wide window; ATOM's spec is per layer and

@@ -91,6 +91,10 @@ class AtomAttentionBackend(AtomBackendCapabilities):
     def supports_sliding_window(cls) -> bool:
         return True
 
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
     @staticmethod
     def use_cascade_attention(*args, **kwargs) -> bool:
         return False
@@ -169,6 +173,7 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
         qk_rope: QKRope | None = None,
+        sinks: torch.Tensor | None = None,
         **extra_impl_args,
     ) -> None:
         unsupported = []
@@ -180,8 +185,6 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
             unsupported.append("KV sharing between layers")
         if kv_cache_dtype not in PLAIN_CACHE_DTYPES:
             unsupported.append(f"kv_cache_dtype={kv_cache_dtype!r}")
-        if extra_impl_args.get("sinks") is not None:
-            unsupported.append("attention sinks")
         if unsupported:
             raise NotImplementedError(
                 "ATOM's attention backend does not support " + ", ".join(unsupported)
@@ -197,6 +200,7 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
         self.kv_sharing_target_layer_name = None
         self.num_calls = 0  # for tests and logs: proof that this impl ran
         self.qk_rope = qk_rope
+        self.sinks = sinks
 
     def forward(
         self,
@@ -230,6 +234,7 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            sinks=self.sinks,
             qk_rope=self.qk_rope,
             positions=self._positions(attn_metadata),
             out=output,

@@ -129,6 +129,68 @@ SHAPES = {
             tie_word_embeddings=False,
         ),
     ),
+    # gpt-oss-20b with bf16 experts (the release ships them as MXFP4): 32 experts (top 4)
+    # with biases and the clamped SwiGLU, attention sinks, 128-token sliding-window and
+    # full layers alternating, YaRN.
+    "gpt-oss-20b": Shape(
+        "gpt-oss-20b",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            attention_bias=True,
+            max_position_embeddings=131072,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # MiniMax-M2 (230B total, 10B active): 256 experts (top 8) in every layer behind a
+    # sigmoid router with a correction bias, QK-norm over all heads, rotary on half of each
+    # head (named both ways, as the tiny config explains).
+    "minimax-m2": Shape(
+        "minimax-m2",
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(
+            vocab_size=200064,
+            hidden_size=3072,
+            intermediate_size=1536,
+            num_hidden_layers=62,
+            num_attention_heads=48,
+            num_key_value_heads=8,
+            head_dim=128,
+            rotary_dim=64,
+            partial_rotary_factor=0.5,
+            use_qk_norm=True,
+            qk_norm_type="per_layer",
+            num_local_experts=256,
+            num_experts_per_tok=8,
+            scoring_func="sigmoid",
+            use_routing_bias=True,
+            max_position_embeddings=196608,
+            rope_theta=5000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
     # MLA (512-wide latent cache), 64 routed + 2 shared experts, first layer dense.
     "deepseek-v2-lite": Shape(
         "deepseek-v2-lite",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels.activation import silu_and_mul
+from atom.kernels.activation import ClampedSwiGLU, silu_and_mul
 from atom.kernels.fp8 import dequantize_fp8, fp8_scaled_mm, quantize_fp8_per_token_group
 from atom.kernels.policy import capturable, dispatch, register
 
@@ -84,21 +84,35 @@ def grouped_topk(
     )
 
 
-def _expert_linear(x, weight, scale, block_size):
+def _expert_linear(x, weight, scale, block_size, bias):
     if scale is None:
-        return x @ weight.T
-    if block_size is not None:
+        y = x @ weight.T
+    elif block_size is not None:
         x_q, x_scale = quantize_fp8_per_token_group(x, block_size[1])
-        return fp8_scaled_mm(x_q, x_scale, weight, scale, x.dtype, block_size=block_size)
-    return x @ dequantize_fp8(weight, scale, dtype=x.dtype).T
+        y = fp8_scaled_mm(x_q, x_scale, weight, scale, x.dtype, block_size=block_size)
+    else:
+        y = x @ dequantize_fp8(weight, scale, dtype=x.dtype).T
+    return y if bias is None else y + bias
+
+
+MoEActivation = str | ClampedSwiGLU
+""""silu" (SwiGLU) or a ClampedSwiGLU (GPT-OSS)."""
+
+
+def check_moe_activation(activation: MoEActivation) -> None:
+    if activation != "silu" and not isinstance(activation, ClampedSwiGLU):
+        raise ValueError(
+            f"unsupported MoE activation {activation!r}; supported: 'silu', ClampedSwiGLU"
+        )
 
 
 @register("fused_moe", "torch")
 def fused_moe_torch(
-    hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_size
-):
-    if activation != "silu":
-        raise ValueError(f"unsupported MoE activation {activation!r}")
+    hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_size,
+    w13_bias=None, w2_bias=None,
+):  # fmt: skip
+    check_moe_activation(activation)
+    gated_activation = silu_and_mul if activation == "silu" else activation
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.reshape(-1).long()
     order = flat_ids.argsort(stable=True)  # tokens grouped by expert
@@ -110,8 +124,10 @@ def fused_moe_torch(
         tokens, slots = rows // topk_ids.shape[1], rows % topk_ids.shape[1]
         s13 = None if w13_scale is None else w13_scale[expert]
         s2 = None if w2_scale is None else w2_scale[expert]
-        act = silu_and_mul(_expert_linear(hidden[tokens], w13[expert], s13, block_size))
-        y = _expert_linear(act, w2[expert], s2, block_size)
+        b13 = None if w13_bias is None else w13_bias[expert]
+        b2 = None if w2_bias is None else w2_bias[expert]
+        act = gated_activation(_expert_linear(hidden[tokens], w13[expert], s13, block_size, b13))
+        y = _expert_linear(act, w2[expert], s2, block_size, b2)
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None].float())
     return out.to(hidden.dtype)
 
@@ -122,18 +138,23 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    activation: str = "silu",
+    activation: MoEActivation = "silu",
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """sum_k weight[t, k] * expert_{ids[t, k]}(hidden[t]) with SwiGLU experts.
+    """sum_k weight[t, k] * expert_{ids[t, k]}(hidden[t]) with gated experts.
 
-    w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. FP8 experts pass their scales:
-    per expert [E] or per row [E, N, 1] (weights dequantized, activations stay as they
-    are), or 128x128 blocks [E, N/128, K/128] with block_size (activations quantized per
-    token group, as in the dense FP8 layers).
+    w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; optional biases w13_bias
+    [E, 2I] and w2_bias [E, H] (GPT-OSS), the latter weighted like the expert's output.
+    `activation` combines gate and up: "silu" or a ClampedSwiGLU. FP8 experts pass their
+    scales: per expert [E] or per row [E, N, 1] (weights dequantized, activations stay as
+    they are), or 128x128 blocks [E, N/128, K/128] with block_size (activations quantized
+    per token group, as in the dense FP8 layers).
     """
     return dispatch("fused_moe", hidden.device)(
-        hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_size
-    )
+        hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_size,
+        w13_bias, w2_bias,
+    )  # fmt: skip

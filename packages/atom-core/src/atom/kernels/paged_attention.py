@@ -32,8 +32,13 @@ def dense_attention(
     mask: torch.Tensor,
     scale: float,
     logits_soft_cap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [n, Hq, D], k [m, Hkv, D], v [m, Hkv, Dv], mask [n, m] -> [n, Hq, Dv] (fp32 math)."""
+    """q [n, Hq, D], k [m, Hkv, D], v [m, Hkv, Dv], mask [n, m] -> [n, Hq, Dv] (fp32 math).
+
+    sinks [Hq]: one logit per query head that joins the softmax as a key with no value
+    (GPT-OSS), so a query may give part of its attention to nothing.
+    """
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
@@ -41,13 +46,18 @@ def dense_attention(
     if logits_soft_cap:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink_column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, sink_column], -1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 @register("paged_attention", "torch")
 def paged_attention_torch(
     query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-    key=None, value=None,
+    key=None, value=None, sinks=None,
 ):  # fmt: skip
     """The definition: every key from the cache (key/value hold the same new keys)."""
     starts = metadata.host_query_start_loc()
@@ -60,7 +70,9 @@ def paged_attention_torch(
         v = gather_pages(value_cache, pages, seq_len)
         positions = torch.arange(seq_len - (end - begin), seq_len, device=query.device)
         mask = attention_mask(positions, seq_len, sliding_window)
-        out[begin:end] = dense_attention(query[begin:end], k, v, mask, scale, logits_soft_cap)
+        out[begin:end] = dense_attention(
+            query[begin:end], k, v, mask, scale, logits_soft_cap, sinks
+        )
     return out
 
 
@@ -73,6 +85,7 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
@@ -87,12 +100,19 @@ def paged_attention(
     to the cache (rotated, normalised), row t for query row t. A kernel may read the new
     keys from them instead of the pages (contiguous rows, no table lookups); the result
     is the same. Pass both or neither.
+
+    sinks [Hq], optional (GPT-OSS): a logit per query head that joins each query's softmax
+    as one more key without a value, whatever the window (bf16 or fp32; fp32 math).
     """
     if (key is None) != (value is None):
         raise ValueError("pass the new tokens' key and value together, or neither")
+    if sinks is not None and sinks.shape != query.shape[1:2]:
+        raise ValueError(
+            f"sinks {tuple(sinks.shape)}: expected one per query head [{query.shape[1]}]"
+        )
     if out is None:
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
     return dispatch("paged_attention", query.device)(
         query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-        key, value,
+        key, value, sinks=sinks,
     )  # fmt: skip

@@ -57,7 +57,8 @@ class Attention(nn.Module):
     forward takes q [T, Hq*D], k [T, Hkv*D], v [T, Hkv*Dv] (views of one qkv projection
     are fine) and returns [T, Hq*Dv]. Built with `qk_rope`, the layer takes raw q and k
     and `positions` [T], and normalises/rotates them before (or, through a fusing impl,
-    together with) the KV-cache write.
+    together with) the KV-cache write. `sinks` [num_heads]: the model's attention-sink
+    parameter (GPT-OSS), held by reference, so weights loaded into it later take effect.
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class Attention(nn.Module):
         logits_soft_cap: float | None = None,
         v_head_dim: int | None = None,
         qk_rope: QKRope | None = None,
+        sinks: torch.Tensor | None = None,
     ):
         super().__init__()
         self.spec = AttentionSpec(
@@ -83,6 +85,7 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             qk_rope=qk_rope,
+            sinks=sinks,
         )
         self.impl = create_attention_impl(self.spec)
         self.fuses_qk_rope = qk_rope is not None and getattr(self.impl, "fuses_qk_rope", False)

@@ -9,7 +9,7 @@ SGLang: their plugins). Impls and hosts import it from here; the layer module bu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -85,6 +85,9 @@ class AttentionSpec:
     kv_b_proj: Any = None
     # MHA: the q/k norm + rotary the model applies before the cache (see QKRope).
     qk_rope: QKRope | None = None
+    # MHA: per-head attention-sink logits [num_heads] (GPT-OSS), the model's own parameter
+    # (loaded in place after the spec is built). Left out of ==: a tensor has no truth value.
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
 
 ImplFactory = Callable[[AttentionSpec], nn.Module]

@@ -1,8 +1,9 @@
 """The fused MoE layer: routing + experts, experts sharded over TP in the weight loader.
 
-Expert weights are stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
-Each rank holds a slice of every expert's intermediate dimension, so the outputs are
-summed with one all-reduce, as in a row-parallel linear.
+Expert weights are stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I],
+with optional biases w13_bias [E, 2I] and w2_bias [E, H] (GPT-OSS). Each rank holds a
+slice of every expert's intermediate dimension, so the outputs are summed with one
+all-reduce, as in a row-parallel linear; rank 0 alone holds w2_bias, so it is added once.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import nn
 
 from atom.distributed import divide, get_tp_group
 from atom.kernels import fused_moe, grouped_topk, topk_softmax
+from atom.kernels.moe import MoEActivation, check_moe_activation
 from atom.kernels.policy import is_capturable
 from atom.layers.quantization import QuantizationConfig, set_weight_attrs
 
@@ -33,7 +35,10 @@ class UnquantizedMoEMethod:
             set_weight_attrs(param, weight_loader=layer.weight_loader)
 
     def apply(self, layer: FusedMoE, x, topk_weights, topk_ids) -> torch.Tensor:
-        return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        return fused_moe(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation,
+            w13_bias=layer.w13_bias, w2_bias=layer.w2_bias,
+        )  # fmt: skip
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         pass
@@ -55,10 +60,13 @@ class FusedMoE(nn.Module):
         e_score_correction_bias: bool = False,
         routed_scaling_factor: float = 1.0,
         reduce_results: bool = True,
+        activation: MoEActivation = "silu",
+        bias: bool = False,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ):
         super().__init__()
+        check_moe_activation(activation)
         self.tp = get_tp_group()
         self.prefix = prefix
         self.num_experts = num_experts
@@ -70,6 +78,7 @@ class FusedMoE(nn.Module):
         self.scoring_func = scoring_func
         self.routed_scaling_factor = routed_scaling_factor
         self.reduce_results = reduce_results
+        self.activation = activation
         self.intermediate_per_rank = divide(
             intermediate_size, self.tp.world_size, f"{prefix} moe_intermediate_size"
         )
@@ -85,6 +94,22 @@ class FusedMoE(nn.Module):
         self.quant_method.create_weights(
             self, num_experts, hidden_size, self.intermediate_per_rank, torch.get_default_dtype()
         )
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            if not isinstance(self.quant_method, UnquantizedMoEMethod):
+                raise ValueError(
+                    f"{prefix}: expert biases are only supported on unquantized experts"
+                )
+            dtype = torch.get_default_dtype()
+            self.w13_bias = nn.Parameter(
+                torch.zeros(num_experts, 2 * self.intermediate_per_rank, dtype=dtype),
+                requires_grad=False,
+            )
+            self.w2_bias = nn.Parameter(
+                torch.zeros(num_experts, hidden_size, dtype=dtype), requires_grad=False
+            )
+            for param in (self.w13_bias, self.w2_bias):
+                set_weight_attrs(param, weight_loader=self.weight_loader)
 
     @staticmethod
     def make_expert_params_mapping(
@@ -113,14 +138,19 @@ class FusedMoE(nn.Module):
         shard_id: str,
         expert_id: int,
     ) -> None:
-        """Copies one expert's gate, up or down tensor (or its scale) into the stacked param."""
+        """Copies one expert's gate, up or down tensor (or its scale or bias) into the stacked
+        param."""
         target = param.data[expert_id]
+        if param is self.w2_bias:  # the all-reduce sums the ranks' outputs
+            if self.tp.rank == 0:
+                target.copy_(loaded)
+            return
         if getattr(param, "per_shard", False):  # one scalar per expert and shard
             target[_W13_HALF.get(shard_id, 0)].copy_(loaded.reshape(()))
             return
         block = getattr(param, "shard_block", 1)
         rows = -(-self.intermediate_per_rank // block)
-        if shard_id in _W13_HALF:
+        if shard_id in _W13_HALF:  # weight rows or bias entries
             source = loaded.narrow(0, self.tp.rank * rows, rows)
             target = target.narrow(0, _W13_HALF[shard_id] * rows, rows)
         else:

@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+from atom.distributed import get_tp_group
 from atom.kernels import fused_add_rms_norm, rms_norm
+from atom.layers.quantization import set_weight_attrs
 
 
 class RMSNorm(nn.Module):
@@ -18,3 +22,41 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over features that tensor parallelism splits across ranks (MiniMax-M2
+    normalises all q heads together, and all k heads): each rank holds the weight of its
+    own `shard_size` features, shard `shard_index` of the checkpoint's vector, and the mean
+    square is averaged over the ranks. Ranks that hold the same shard (replicated KV
+    heads) count it equally often, so the average is still over every feature."""
+
+    def __init__(self, shard_size: int, shard_index: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.shard_index = shard_index
+        self.weight = nn.Parameter(torch.ones(shard_size), requires_grad=False)
+        set_weight_attrs(self.weight, weight_loader=self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.shard_index * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sharded_rms_norm([x], [self])[0]
+
+
+def sharded_rms_norm(
+    inputs: Sequence[torch.Tensor], norms: Sequence[ShardedRMSNorm]
+) -> list[torch.Tensor]:
+    """Each input normalised by its norm, the ranks' mean squares of all of them summed in
+    one all-reduce. The torch reference's order: fp32 statistics, the normalised value
+    rounded to the input dtype, then the weight."""
+    mean_squares = torch.stack([x.float().pow(2).mean(-1) for x in inputs], dim=-1)
+    tp = get_tp_group()
+    if tp.world_size > 1:
+        mean_squares = tp.all_reduce(mean_squares) / tp.world_size
+    return [
+        norm.weight * (x.float() * torch.rsqrt(mean_square[..., None] + norm.eps)).to(x.dtype)
+        for x, norm, mean_square in zip(inputs, norms, mean_squares.unbind(-1))
+    ]

@@ -21,6 +21,7 @@ def write_kv_and_attend(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     qk_rope: QKRope | None = None,
     positions: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -44,6 +45,7 @@ def write_kv_and_attend(
         scale,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
         out=out,
         key=k[:n],
         value=v[:n],
@@ -97,6 +99,7 @@ class NativeAttentionImpl(nn.Module):
             self.spec.scale,
             sliding_window=self.spec.sliding_window,
             logits_soft_cap=self.spec.logits_soft_cap,
+            sinks=self.spec.sinks,
             qk_rope=self.spec.qk_rope,
             positions=positions,
         )

@@ -1,7 +1,8 @@
 """DeepSeek-V2 and DeepSeek-V3: MLA attention, dense first layers, routed + shared experts.
 
 The two differ only in routing, which the config names (`atom.layers.moe_routing`).
-GLM-4.x MoE (`atom.models.glm4_moe`) reuses the MoE block, the layer plan and the loader.
+GLM-4.x MoE (`atom.models.glm4_moe`) reuses the MoE block, the layer plan and the loader;
+MiniMax-M2 (`atom.models.minimax_m2`) the skipping of MTP layers.
 """
 
 from __future__ import annotations
@@ -106,21 +107,12 @@ class DeepseekV2Model(LlamaModel):
     decoder_layer = DeepseekV2DecoderLayer
 
 
-class DeepseekV2ForCausalLM(LlamaForCausalLM):
-    model_cls = DeepseekV2Model
-    stacked_params_mapping = [
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-        CORRECTION_BIAS_MAPPING,
-    ]
-
-    def expert_params_mapping(self) -> list:
-        return FusedMoE.make_expert_params_mapping(
-            "gate_proj", "down_proj", "up_proj", self.config.n_routed_experts
-        )
+class MtpLayersSkipped:
+    """Mixin of a causal LM whose checkpoints carry multi-token-prediction layers after the
+    last decoder layer (DeepSeek-V3, GLM-4.x MoE, MiniMax-M2): ATOM does not run them, so
+    loading skips them with one log line."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # Multi-token-prediction layers follow the last decoder layer; ATOM does not run them.
         mtp_layers: set[int] = set()
 
         def without_mtp() -> Iterator[tuple[str, torch.Tensor]]:
@@ -140,6 +132,20 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 sorted(mtp_layers),
             )
         return loaded
+
+
+class DeepseekV2ForCausalLM(MtpLayersSkipped, LlamaForCausalLM):
+    model_cls = DeepseekV2Model
+    stacked_params_mapping = [
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+        CORRECTION_BIAS_MAPPING,
+    ]
+
+    def expert_params_mapping(self) -> list:
+        return FusedMoE.make_expert_params_mapping(
+            "gate_proj", "down_proj", "up_proj", self.config.n_routed_experts
+        )
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

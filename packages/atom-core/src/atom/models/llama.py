@@ -16,7 +16,7 @@ from atom.layers.attention_spec import QKRope
 from atom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atom.layers.norm import RMSNorm
-from atom.layers.quantization import QuantizationConfig
+from atom.layers.quantization import QuantizationConfig, set_weight_attrs
 from atom.layers.rotary import get_rope
 from atom.loader import load_with_mapping
 
@@ -43,6 +43,9 @@ class LlamaAttention(nn.Module):
     """GQA self-attention; `qk_norm` adds Qwen3's per-head RMSNorm on q and k before rope.
 
     `attention_bias` gives q/k/v and o biases; `o_proj_bias=False` keeps it off o (GLM).
+    `sinks` adds GPT-OSS's learned per-head logit to every softmax denominator.
+    `rotary_dim` rotates that many leading features of each head (default: the config's
+    `partial_rotary_factor` of them).
     """
 
     def __init__(
@@ -52,6 +55,8 @@ class LlamaAttention(nn.Module):
         prefix: str = "",
         qk_norm: bool = False,
         o_proj_bias: bool = True,
+        sinks: bool = False,
+        rotary_dim: int | None = None,
     ):
         super().__init__()
         tp_size = get_tp_group().world_size
@@ -92,11 +97,17 @@ class LlamaAttention(nn.Module):
             self.head_dim,
             config.max_position_embeddings,
             rope_parameters,
-            rotary_dim=int(self.head_dim * rotary_factor),
+            rotary_dim=rotary_dim or int(self.head_dim * rotary_factor),
         )
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.sinks = None
+        if sinks:
+            self.sinks = nn.Parameter(
+                torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False
+            )
+            set_weight_attrs(self.sinks, weight_loader=self._load_rank_heads)
         # The attention layer applies the norms and rotary, fused with its KV-cache write
         # where its impl can.
         self.attn = Attention(
@@ -111,7 +122,12 @@ class LlamaAttention(nn.Module):
                 self.q_norm if qk_norm else None,
                 self.k_norm if qk_norm else None,
             ),
+            sinks=self.sinks,
         )
+
+    def _load_rank_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rank = get_tp_group().rank
+        param.data.copy_(loaded.narrow(0, rank * self.num_heads, self.num_heads))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)

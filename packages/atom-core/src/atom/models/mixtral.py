@@ -24,8 +24,18 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     def build_mlp(self, config: Any, quant_config, prefix: str) -> nn.Module:
         prefix = prefix.replace(".mlp", ".block_sparse_moe")
         return SparseMoeBlock(
-            config, config.num_local_experts, config.intermediate_size, True, quant_config, prefix
+            config,
+            config.num_local_experts,
+            config.intermediate_size,
+            True,
+            quant_config,
+            prefix,
+            **self.moe_routing(config),
         )
+
+    def moe_routing(self, config: Any) -> dict[str, Any]:
+        """FusedMoE routing arguments beyond top-k; Mixtral's softmax top-k needs none."""
+        return {}
 
 
 class MixtralModel(LlamaModel):

@@ -13,7 +13,8 @@ from atom.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, Lla
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts, as Qwen3-MoE (`mlp.gate`, `mlp.experts`) and Mixtral name them."""
+    """Router + experts, as Qwen3-MoE (`mlp.gate`, `mlp.experts`) and Mixtral name them;
+    `routing` is FusedMoE's routing arguments where they are not softmax top-k."""
 
     def __init__(
         self,
@@ -23,6 +24,7 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool,
         quant_config,
         prefix: str,
+        **routing: Any,
     ):
         super().__init__()
         # The router stays unquantized: FP8 checkpoints keep it in high precision.
@@ -35,6 +37,7 @@ class SparseMoeBlock(nn.Module):
             renormalize=renormalize,
             quant_config=quant_config,
             prefix=f"{prefix}.experts",
+            **routing,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

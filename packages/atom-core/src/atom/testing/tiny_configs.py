@@ -97,6 +97,49 @@ _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             attention_bias=True,
         ),
     ),
+    # GPT-OSS: sliding (window 16, so short prompts cross it) and full layers alternating,
+    # sinks, biased attention and experts, YaRN whose scaled context is the 512 positions.
+    "GptOssForCausalLM": (
+        "GptOssConfig",
+        dict(
+            _MHA,
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            attention_bias=True,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=8.0,
+                original_max_position_embeddings=64,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+        ),
+    ),
+    # MiniMax-M2: every layer sparse (8 experts of 96, top 2) behind a sigmoid router with
+    # a correction bias; QK-norm over all heads; rotary on half of each head, named both
+    # ways (transformers 5.12 reads only partial_rotary_factor, the hosts' models
+    # rotary_dim); bos/eos inside the vocabulary.
+    "MiniMaxM2ForCausalLM": (
+        "MiniMaxM2Config",
+        dict(
+            _MHA,
+            intermediate_size=96,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            scoring_func="sigmoid",
+            use_routing_bias=True,
+            use_qk_norm=True,
+            qk_norm_type="per_layer",
+            rotary_dim=16,
+            partial_rotary_factor=0.5,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # An architecture ATOM does not implement: the hosts' fall-back path.
     "GPT2LMHeadModel": (
         "GPT2Config",

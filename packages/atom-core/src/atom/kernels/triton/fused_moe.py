@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels.activation import ClampedSwiGLU
 from atom.kernels.fp8 import FP8_DTYPE, quantize_fp8_per_token_group
+from atom.kernels.moe import check_moe_activation
 from atom.kernels.policy import capturable, register
 from atom.kernels.triton.moe_align import align_to_experts
 
@@ -79,11 +81,13 @@ def _scale_ptrs(scale_base, b_rows, stride_bsn, SCALES: tl.constexpr, GROUP_N: t
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, routing_weights_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, routing_weights_ptr,
     sorted_rows_ptr, block_expert_ptr,
-    num_rows, num_experts, N, K, max_blocks, up_offset,
-    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm,
+    num_rows, num_experts, N, K, max_blocks, up_offset, swiglu_alpha, swiglu_limit,
+    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
+    stride_bias_e, stride_cm,
     A_ROW_DIV: tl.constexpr, GATING: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
     SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -92,9 +96,11 @@ def _moe_gemm_kernel(
 
     B rows are output columns (K contiguous). GATING (UNGATED, GATED_PAIR, GATED_STACKED):
     rows n and n + up_offset of B are the gate and up halves of column n, and C gets
-    silu(gate) * up. GATED_PAIR loads the gate and up tiles apart, one dot each;
+    silu(gate) * up, or with CLAMPED_SWIGLU GPT-OSS's (up + 1) * gate * sigmoid(alpha *
+    gate) of the clamped halves. GATED_PAIR loads the gate and up tiles apart, one dot each;
     GATED_STACKED interleaves them (tile column 2j: column j's gate row, 2j + 1: its up row)
     into one 2 * BLOCK_N wide tile and one dot, split apart after the K loop.
+    HAS_BIAS adds bias[expert, b_row] before the activation and the routing weight.
     APPLY_WEIGHT scales row r by routing_weights[r]."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -155,8 +161,20 @@ def _moe_gemm_kernel(
             acc_up *= tl.load(up_scale_ptrs, mask=b_ok, other=0.0)[None, :]
     if GATING == 2:  # MMA accumulators hold adjacent column pairs per thread
         acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias_e
+        col_ok = cols < N
+        acc += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATING != 0:
+            up_bias = tl.load(bias_row + up_offset + cols, mask=col_ok, other=0.0)
+            acc_up += up_bias.to(tl.float32)[None, :]
     if GATING != 0:
-        acc = acc * tl.sigmoid(acc) * acc_up
+        if CLAMPED_SWIGLU:
+            gate = tl.minimum(acc, swiglu_limit)
+            up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+            acc = (up + 1) * gate * tl.sigmoid(swiglu_alpha * gate)
+        else:
+            acc = acc * tl.sigmoid(acc) * acc_up
     if APPLY_WEIGHT:
         acc *= tl.load(routing_weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
@@ -245,7 +263,7 @@ def sum_top_k(rows: torch.Tensor) -> torch.Tensor:
 
 def _launch_gemm(
     a, a_scale, w, w_scale, out, aligned, block_m, tiles: GemmTiles, block_size, *,
-    gated, a_row_div, routing_weights=None,
+    gated, a_row_div, routing_weights=None, bias=None, activation="silu",
 ):  # fmt: skip
     sorted_rows, block_expert = aligned
     w = w if w.stride(-1) == 1 else w.contiguous()
@@ -262,13 +280,16 @@ def _launch_gemm(
     group_n, group_k = block_size if block_size is not None else (1, 1)
     max_blocks = block_expert.numel()
     grid = (max_blocks * triton.cdiv(n, tiles.block_n),)
+    clamped = isinstance(activation, ClampedSwiGLU)
     _moe_gemm_kernel[grid](
-        a, a if a_scale is None else a_scale, w, w_scale, out,
+        a, a if a_scale is None else a_scale, w, w_scale, out if bias is None else bias, out,
         out if routing_weights is None else routing_weights, sorted_rows, block_expert,
         out.shape[0], num_experts, n, k, max_blocks, n if gated else 0,
+        activation.alpha if clamped else 0.0, activation.limit if clamped else 0.0,
         a.stride(0), 0 if a_scale is None else a_scale.stride(0), w.stride(0), w.stride(1),
-        *s_strides, out.stride(0),
+        *s_strides, 0 if bias is None else bias.stride(0), out.stride(0),
         A_ROW_DIV=a_row_div, GATING=gating, APPLY_WEIGHT=routing_weights is not None,
+        HAS_BIAS=bias is not None, CLAMPED_SWIGLU=clamped,
         SCALES=scales, GROUP_N=group_n, GROUP_K=group_k,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -286,10 +307,9 @@ def _activations(x: torch.Tensor, block_size):
 @capturable
 def fused_moe_triton(
     hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_size,
-    config: MoEConfig | None = None,
+    w13_bias=None, w2_bias=None, config: MoEConfig | None = None,
 ):  # fmt: skip
-    if activation != "silu":
-        raise ValueError(f"unsupported MoE activation {activation!r}")
+    check_moe_activation(activation)
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     out = torch.empty(num_tokens, top_k, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
@@ -310,11 +330,12 @@ def fused_moe_triton(
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     _launch_gemm(
         a, a_scale, w13, w13_scale, act, aligned, cfg.block_m, cfg.gate_up, block_size,
-        gated=True, a_row_div=top_k,
+        gated=True, a_row_div=top_k, bias=w13_bias, activation=activation,
     )  # fmt: skip
     a, a_scale = _activations(act, block_size)
     _launch_gemm(
         a, a_scale, w2, w2_scale, out.view(-1, w2.shape[1]), aligned, cfg.block_m, cfg.down,
         block_size, gated=False, a_row_div=1, routing_weights=topk_weights.reshape(-1),
+        bias=w2_bias,
     )  # fmt: skip
     return sum_top_k(out)

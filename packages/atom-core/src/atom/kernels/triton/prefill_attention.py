@@ -15,6 +15,8 @@ only the diagonal blocks (and, with a sliding window, every block) pay for it. T
 runtime check inside one loop per source: with an unmasked loop and a masked loop the
 pipeline drained and refilled at the diagonal, and the one loop ran 14-15% faster (H200
 A/B, 2026-11-22: 395 vs 345 TFLOP/s at 16x2048, 519 vs 458 at 4x8192).
+An attention sink (GPT-OSS: a per-head logit with no value) is a key of zero value: the
+online softmax starts from it (running max = the sink, sum = 1), outside the key loops.
 """
 
 from __future__ import annotations
@@ -134,12 +136,13 @@ def _prefill_kernel(
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     key_stride_t, key_stride_h, value_stride_t, value_stride_h,
     k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h, bt_stride,
-    scale, soft_cap, window, group, seq_offset,
+    scale, soft_cap, window, group, seq_offset, sinks_ptr,
     HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGE_ROWS: tl.constexpr,
     DENSE_KV: tl.constexpr, HAS_PREFIX: tl.constexpr, USE_TMA: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     seq = tl.program_id(1) + seq_offset
@@ -166,6 +169,9 @@ def _prefill_kernel(
               rows_ok[:, None], dims_ok[None, :], MASK_D)  # fmt: skip
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:  # the sink as a first key of zero value (log2 domain, as the scores)
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     first_token = tile * BLOCK_M
     tile_end = tl.minimum(first_token + BLOCK_M, q_len)  # new tokens the tile can see
@@ -265,12 +271,13 @@ def _use_tma(config: dict, query, key, value, v_head_dim: int) -> bool:
 
 def prefill_attention(
     query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-    key=None, value=None, config=None,
+    key=None, value=None, sinks=None, config=None,
 ):  # fmt: skip
     """The prefill sequences of the batch (those after its decodes) into `out`.
 
     key/value [T, Hkv, D|Dv]: the step's new tokens' K/V (already written to the cache,
     i.e. rotated), row t for query row t; without them every key is read from the pages.
+    sinks [Hq]: attention-sink logits, or None.
     config: launch parameters (pick_config's by default).
     """
     num_prefills = metadata.num_seqs - metadata.num_decodes
@@ -294,7 +301,7 @@ def prefill_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         metadata.block_table.stride(0),
         scale, logits_soft_cap or 0.0, sliding_window or 0, query.shape[1] // key_cache.shape[2],
-        metadata.num_decodes,
+        metadata.num_decodes, query if sinks is None else sinks,
         HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
@@ -302,7 +309,7 @@ def prefill_attention(
         PAGE_SIZE=page_size, PAGE_ROWS=_page_rows_per_entry(page_size, block_n),
         DENSE_KV=dense, HAS_PREFIX=not dense or metadata.prefills_have_context, USE_TMA=use_tma,
         USE_SOFT_CAP=bool(logits_soft_cap), USE_WINDOW=bool(sliding_window),
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", USE_SINKS=sinks is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return out

@@ -23,8 +23,13 @@ def get_quant_config(hf_config: Any) -> QuantizationConfig | None:
         from atom.layers.quantization.compressed_tensors import CompressedTensorsFp8Config
 
         return CompressedTensorsFp8Config.from_dict(raw)
+    if method == "mxfp4":
+        from atom.layers.quantization.mxfp4 import Mxfp4Config
+
+        return Mxfp4Config.from_dict(raw)
     raise ValueError(
-        f"unsupported quantization method {method!r}; supported: 'fp8', 'compressed-tensors' (FP8)"
+        f"unsupported quantization method {method!r}; supported: 'fp8', "
+        "'compressed-tensors' (FP8), 'mxfp4' (GPT-OSS experts)"
     )
 
 
