@@ -4,16 +4,19 @@ One engine per configuration, each serving every check of that configuration (a 
 costs 20-45 s here); all engines run in one module fixture, in two processes (plugin on /
 off) that start their engines one after another. For every SGLang-capable
 ATOM architecture: SGLang + ATOM (registry override, `attention_backend="atom"`) gives
-the same greedy tokens as HF transformers and as SGLang's own implementation (DeepSeek:
-HF only, see HF_ONLY), for a
+the same greedy tokens as HF transformers and as SGLang's own implementation (DeepSeek,
+MiniMax-M2 and GPT-OSS: HF only, see HF_ONLY), for a
 mixed-length batch and for requests reusing a cached prefix (chunked prefill: 64
-tokens). Also: the external-model-package route, the "atom" backend under SGLang's own
+tokens; GPT-OSS on SGLang's hybrid SWA pool, see HYBRID_SWA). Also: the
+external-model-package route, the "atom" backend under SGLang's own
 Qwen3, `ATOM_DISABLE_SGLANG_PLUGIN=1`, an architecture ATOM does not serve, and MLP
 sizes that SGLang's CPU loader pads (a Qwen3-MoE with moe_intermediate_size 48, a Qwen3
 with intermediate_size 200): SGLang + ATOM equals HF transformers there too.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from sglang_harness import ENGINE, MAX_TOKENS, PREFIX_LEN, Run, result_of, rounds, run_jobs
@@ -31,6 +34,8 @@ ARCHS = [
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM",
+    "GptOssForCausalLM",
 ]
 ATOM = {**ENGINE, "attention_backend": "atom"}
 STOCK = {**ENGINE, "attention_backend": "torch_native"}
@@ -43,15 +48,28 @@ REFERENCE = {
     "Qwen3MoeForCausalLM": (STOCK, PLUGIN_OFF),
     "Glm4MoeForCausalLM": (STOCK, PLUGIN_OFF),
 }
-# SGLang's own DeepSeek does not start on its CPU engine with these checkpoints (both
-# reasons still in 0.5.21's source), so ATOM's DeepSeek is compared with HF only:
+# SGLang's own DeepSeek and MiniMax-M2 do not run on its CPU engine with these
+# checkpoints (the reasons still in 0.5.21's source), so ATOM's are compared with HF only:
 HF_ONLY = {
     # get_rope_cpu() asserts rope scaling: its CPU rotary path only has DeepSeek-YaRN.
     "DeepseekV2ForCausalLM": "SGLang's CPU rope requires rope_scaling",
     # SGLang's model reads config.moe_layer_freq, which transformers 5.12's
     # DeepseekV3Config does not define (AttributeError while building the layers).
     "DeepseekV3ForCausalLM": "DeepseekV3Config has no moe_layer_freq",
+    # Without sgl_kernel's AMX ops, its QK-norm over all heads runs a Triton kernel that
+    # asserts CUDA tensors (rms_sumsq_serial).
+    "MiniMaxM2ForCausalLM": "its CPU QK-norm needs sgl_kernel's AMX ops",
+    # SGLang takes GPT-OSS only on backends with sinks and sliding windows; on the CPU
+    # engine that is intel_amx, which this CPU (no AMX) replaces with torch_native (it
+    # has neither). Its model also reads config.swiglu_limit, which transformers 5.12's
+    # GptOssConfig does not define (AttributeError while building the layers).
+    "GptOssForCausalLM": "SGLang's CPU GPT-OSS needs AMX and config.swiglu_limit",
 }
+# Sliding-window and full layers: SGLang serves them from its hybrid SWA pool, whose
+# radix cache frees the sliding slots of tokens that left the window as it caches a
+# request. A later request then reuses a prefix only where the window before its end
+# survived, which the prefix rounds' shared prefix (followed by other tokens) never has.
+HYBRID_SWA = {"GptOssForCausalLM"}
 EXTERNAL = {**PLUGIN_OFF, "SGLANG_EXTERNAL_MODEL_PACKAGE": "atom_sglang.models"}
 UNSUPPORTED = "GPT2LMHeadModel"
 # MLP sizes that are no multiple of 32 (tp=1): SGLang's CPU loader pads them to 64 / 224
@@ -87,13 +105,13 @@ def runs(checkpoints, unaligned, tmp_path_factory):
         engine, env = REFERENCE[arch]
         return run(f"{arch}-sglang", arch, engine, env)
 
-    llama, qwen3, moe, v2, v3, glm = ARCHS
+    llama, qwen3, moe, v2, v3, glm, minimax, gpt_oss = ARCHS
     moe48, dense200 = UNALIGNED
-    # Two processes (one per core), seven engines each.
+    # Two processes (one per core), eight engines each.
     jobs = [
-        [run(f"{a}-atom", a, ATOM) for a in (llama, moe, v3, glm, moe48)]
+        [run(f"{a}-atom", a, ATOM) for a in (llama, moe, v3, glm, gpt_oss, moe48)]
         + [reference(qwen3), run("external", qwen3, STOCK, EXTERNAL)],
-        [run(f"{a}-atom", a, ATOM) for a in (qwen3, v2, dense200)]
+        [run(f"{a}-atom", a, ATOM) for a in (qwen3, v2, minimax, dense200)]
         + [reference(a) for a in (llama, moe, glm)]
         + [run("unsupported", UNSUPPORTED, STOCK)],
     ]
@@ -115,6 +133,17 @@ def assert_prefix_cached(result) -> None:
     assert all(c >= PREFIX_LEN for c in cached), f"prefix not reused: cached_tokens={cached}"
 
 
+def assert_hybrid_swa_pool_used(result) -> None:
+    """SGLang's hybrid SWA pool held the sliding layers (layer 0 of the tiny checkpoints)
+    and freed slots of tokens that left the window while ATOM attended: its pool is a
+    fifth smaller than the full one, so only freeing lets it fill more slowly."""
+    assert "SWAKVPool mem usage" in result.log
+    pools = "MHA pool, hybrid SWA (full layers [1], sliding layers [0])"
+    assert f"ATOM attention backend: {pools}" in result.log
+    usage = re.findall(r"full token usage: ([\d.]+), swa token usage: ([\d.]+)", result.log)
+    assert any(float(swa) < float(full) for full, swa in usage), f"no SWA slot freed: {usage}"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_atom_equals_hf_and_sglang(runs, checkpoints, arch):
     assert arch in served_architectures()
@@ -122,7 +151,10 @@ def test_atom_equals_hf_and_sglang(runs, checkpoints, arch):
     assert_same(atom.tokens(), hf_reference(checkpoints, arch), f"SGLang+ATOM {arch} vs HF")
     if arch not in HF_ONLY:
         assert_same(atom.tokens(), result_of(runs, f"{arch}-sglang").tokens(), "ATOM vs SGLang")
-    assert_prefix_cached(atom)
+    if arch in HYBRID_SWA:
+        assert_hybrid_swa_pool_used(atom)
+    else:
+        assert_prefix_cached(atom)
     # Proof that ATOM's model and ATOM's attention backend served the requests.
     entry = get_entry(arch)
     assert f"ATOM {arch} ({entry.class_path}) built for SGLang: 2 {entry.attention}" in atom.log

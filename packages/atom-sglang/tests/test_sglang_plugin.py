@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models.registry import ModelRegistry
 from sglang.srt.plugins.hook_registry import HookRegistry
@@ -112,6 +114,13 @@ def test_register_serves_every_sglang_capable_architecture(fresh_plugin, caplog)
         "sglang.srt.model_executor.cuda_graph_config:Phase.DECODE",
         "sglang.srt.model_executor.cuda_graph_config:Backend.DISABLED",
         "sglang.srt.arg_groups.cuda_graph_hook:generate_decode_cuda_graph_batch_sizes",
+        # Change 4: the model step it wraps and what the wrapper reads and declares.
+        "sglang.srt.arg_groups.model_hook:handle_model_specific_adjustments",
+        "sglang.srt.arg_groups.overrides:declare_resolution",
+        "sglang.srt.arg_groups.overrides:resolving_view",
+        "sglang.srt.arg_groups.overrides:model_config_of",
+        "sglang.srt.connector:ConnectorType.INSTANCE",
+        "sglang.srt.utils.common:parse_connector_type",
         # The launch check (atom_sglang.guard): the resolution step it wraps.
         "sglang.srt.arg_groups.resolution_hooks:register_resolution_hook",
         "sglang.srt.arg_groups.platform_hook:handle_hardware_runtime_validation",
@@ -119,6 +128,35 @@ def test_register_serves_every_sglang_capable_architecture(fresh_plugin, caplog)
 )
 def test_sglang_names_the_patches_rely_on_exist(name):
     assert pkgutil.resolve_name(name) is not None
+
+
+def gpt_oss_launch(checkpoints, backend: str):
+    from sglang.srt.server_args import ServerArgs
+
+    model = str(checkpoints("GptOssForCausalLM"))
+    return ServerArgs(
+        model_path=model, device="cpu", skip_tokenizer_init=True, attention_backend=backend
+    )
+
+
+def test_atom_backend_passes_sglang_gpt_oss_backend_check(fresh_plugin, checkpoints):
+    """SGLang's model step accepts only its backends with sinks and sliding windows for
+    GPT-OSS (atom_sglang.patches, change 4): "atom" passes, resolves to "atom", and
+    every other backend meets SGLang's check as before."""
+    atom_sglang.register()
+    launch = gpt_oss_launch(checkpoints, "atom")
+    launch.resolve_once()
+    assert launch.resolved_dict()["attention_backend"] == "atom"
+    with pytest.raises(AssertionError, match="GptOssForCausalLM requires one of"):
+        gpt_oss_launch(checkpoints, "torch_native").resolve_once()
+
+
+def test_sglang_own_gpt_oss_keeps_its_backend_check(fresh_plugin, monkeypatch, checkpoints):
+    """Backend only (SGLang's own GPT-OSS): the check stays as SGLang has it."""
+    monkeypatch.setenv("ATOM_SGLANG_BACKEND_ONLY", "1")
+    atom_sglang.register()
+    with pytest.raises(AssertionError, match="GptOssForCausalLM requires one of"):
+        gpt_oss_launch(checkpoints, "atom").resolve_once()
 
 
 def test_register_is_idempotent(fresh_plugin, monkeypatch):
@@ -351,9 +389,9 @@ def make_backend(req_to_token, pool, page_size):
     return AtomAttnBackend(runner)
 
 
-def layer(hq, hkv, d, dv, window=-1, cap=0.0):
+def layer(hq, hkv, d, dv, window=-1, cap=0.0, layer_id=0):
     return SimpleNamespace(
-        layer_id=0, tp_q_head_num=hq, tp_k_head_num=hkv, tp_v_head_num=hkv, qk_head_dim=d,
+        layer_id=layer_id, tp_q_head_num=hq, tp_k_head_num=hkv, tp_v_head_num=hkv, qk_head_dim=d,
         v_head_dim=dv, scaling=d**-0.5, sliding_window_size=window, logit_cap=cap,
         logit_capping_method="tanh",
     )  # fmt: skip
@@ -476,6 +514,110 @@ def test_decode_cuda_graph_metadata_matches_eager():
     captured = backend.forward_metadata
     backend.init_forward_metadata_out_graph(batch)
     assert backend.forward_metadata is captured
+
+
+SLIDING_LAYER, FULL_LAYER = 0, 1
+
+
+def hybrid_swa_batch(prefix_lens, new_lens, page_size, window, heads, dim):
+    """A real SGLang hybrid SWA pool (layer 0 sliding, layer 1 full) and its allocator,
+    holding requests as SGLang leaves them: both pools' slots allocated page by page and
+    paired in the translation table, and the sliding slots of the tokens that no new
+    query's window reaches freed again (`free_swa`, SGLang's out-of-window eviction).
+    Returns the pool, its req_to_token table and a ForwardBatch-like step."""
+    pool = SWAKVPool(
+        size=256, size_swa=128, page_size=page_size, dtype=torch.float32, head_num=heads,
+        head_dim=dim, swa_attention_layer_ids=[SLIDING_LAYER],
+        full_attention_layer_ids=[FULL_LAYER], device="cpu",
+    )  # fmt: skip
+    allocator = SWATokenToKVPoolAllocator(
+        256, 128, page_size, torch.float32, "cpu", pool, need_sort=False
+    )
+    allocator.swa_attn_allocator.alloc(3 * page_size)  # so the two pools' slots differ
+    req_to_token = torch.zeros(8, 256, dtype=torch.int32)
+    rows = [3, 1, 5][: len(prefix_lens)]
+    new_slots = {}
+    # Last request first: the translation is then no monotone function.
+    for row, p, n in reversed(list(zip(rows, prefix_lens, new_lens))):
+        pages = -(-(p + n) // page_size)
+        full = allocator.full_attn_allocator.alloc(pages * page_size)
+        allocator.set_full_to_swa_mapping(full, allocator.swa_attn_allocator.alloc(full.numel()))
+        req_to_token[row, : p + n] = full[: p + n]
+        new_slots[row] = full[p : p + n]
+        # The first new token (position p) sees keys from p - window + 1 on.
+        out_of_window = max(0, p - window + 1) // page_size * page_size
+        allocator.free_swa(full[:out_of_window])
+    seq = [p + n for p, n in zip(prefix_lens, new_lens)]
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.DECODE if set(new_lens) == {1} else ForwardMode.EXTEND,
+        batch_size=len(seq),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(seq),
+        seq_lens_cpu=torch.tensor(seq),
+        out_cache_loc=torch.cat([new_slots[row] for row in rows]),
+        extend_seq_lens=torch.tensor(new_lens, dtype=torch.int32),
+        extend_seq_lens_cpu=list(new_lens),
+    )
+    return pool, req_to_token, batch
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(
+    "prefix_lens,new_lens", [([0, 13, 21], [9, 5, 1]), ([17, 30, 9], [1, 1, 1])]
+)
+def test_hybrid_swa_pool_sliding_layers_attend_in_the_sliding_pool(
+    page_size, prefix_lens, new_lens, caplog
+):
+    """With SGLang's SWAKVPool, a sliding layer writes and reads the sliding-window pool
+    through the translated metadata, a full layer the full pool; tokens whose sliding
+    slots SGLang freed read its padding slot, which the window masks (filled with large
+    values here, so reading it unmasked would show). Eager and CUDA-graph metadata."""
+    torch.manual_seed(3)
+    hq, hkv, d, window = 4, 2, 32, 6
+    pool, req_to_token, batch = hybrid_swa_batch(prefix_lens, new_lens, page_size, window, hkv, d)
+    hist = history(prefix_lens, new_lens, hkv, d, d)
+    translate = pool.translate_loc_from_full_to_swa
+    for (k, v), row, p in zip(hist, batch.req_pool_indices.tolist(), prefix_lens):
+        full = req_to_token[row, :p].long()
+        pool.get_key_buffer(FULL_LAYER)[full] = k[:p]
+        pool.get_value_buffer(FULL_LAYER)[full] = v[:p]
+        kept = translate(full) > 0  # freed: translated to the padding slot 0
+        sliding = translate(full[kept])
+        pool.get_key_buffer(SLIDING_LAYER)[sliding] = k[:p][kept]
+        pool.get_value_buffer(SLIDING_LAYER)[sliding] = v[:p][kept]
+    # The padding page, which freed tokens' pages translate to.
+    pool.get_key_buffer(SLIDING_LAYER)[:page_size] = 50.0
+    pool.get_value_buffer(SLIDING_LAYER)[:page_size] = 50.0
+    k_new = torch.cat([k[p:] for (k, _), p in zip(hist, prefix_lens)])
+    v_new = torch.cat([v[p:] for (_, v), p in zip(hist, prefix_lens)])
+    q = torch.randn(sum(new_lens), hq, d)
+    with caplog.at_level(logging.INFO, logger="sglang.atom_sglang.backend"):
+        backend = make_backend(req_to_token, pool, page_size)
+    assert "hybrid SWA (full layers [1], sliding layers [0])" in logged(caplog)
+    layers = {
+        SLIDING_LAYER: layer(hq, hkv, d, d, window - 1, layer_id=SLIDING_LAYER),
+        FULL_LAYER: layer(hq, hkv, d, d, layer_id=FULL_LAYER),
+    }
+
+    def attend(layer_id):
+        return backend.forward(
+            q.flatten(1), k_new.flatten(1), v_new.flatten(1), layers[layer_id], batch
+        )
+
+    backend.init_forward_metadata(batch)
+    eager = {layer_id: attend(layer_id) for layer_id in layers}
+    for layer_id, seen in ((SLIDING_LAYER, window), (FULL_LAYER, None)):
+        want = reference(q, hist, prefix_lens, new_lens, d**-0.5, seen)
+        torch.testing.assert_close(eager[layer_id].view_as(want), want, rtol=1e-5, atol=1e-5)
+    sliding_slots = translate(batch.out_cache_loc)
+    assert (sliding_slots > 0).all()
+    torch.testing.assert_close(pool.get_key_buffer(SLIDING_LAYER)[sliding_slots], k_new)
+    torch.testing.assert_close(pool.get_value_buffer(FULL_LAYER)[batch.out_cache_loc], v_new)
+    if batch.forward_mode.is_decode():
+        backend.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+        backend.init_forward_metadata_out_graph(batch, in_capture=True)
+        for layer_id in layers:
+            torch.testing.assert_close(attend(layer_id), eager[layer_id], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("prefix_lens,new_lens", [([0, 6], [9, 4]), ([5, 13, 1], [1, 1, 1])])

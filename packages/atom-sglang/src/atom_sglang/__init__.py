@@ -7,7 +7,9 @@ that load plugins (the engine's main process and each scheduler). It
   name `"atom"` and adds that name to the accepted `--attention-backend` choices;
 * overrides SGLang's model-registry entries of every architecture `atom.registry` marks
   SGLang-capable with ATOM's wrapper class (`atom_sglang.model.AtomForCausalLM`);
-* on SGLang's CPU engine only, registers the hook listed in `atom_sglang.patches`.
+* registers the hooks listed in `atom_sglang.patches`: `support_triton` on SGLang's
+  CPU engine, and, where ATOM serves GPT-OSS, the wrapper of SGLang's model step that
+  lets the "atom" backend pass its sinks-and-sliding-window check.
 
 Before anything, it checks the installed SGLang against `SUPPORTED` (the tested range).
 Outside it, ATOM stays out of SGLang's way (one log line, nothing registered), unless
@@ -122,7 +124,7 @@ def register() -> None:
         archs = [] if env_flag(BACKEND_ONLY_ENV) else served_architectures()
         register_attention_backend()
         register_models(archs)
-        patched = apply_patches()
+        patched = apply_patches(archs)
         _registered = archs
         _say(
             "ATOM %s serves %s in SGLang (attention backend %r%s)",

@@ -85,13 +85,13 @@ class SglangAttention(nn.Module):
         v: torch.Tensor,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        fused = {}
+        extra = {} if self.spec.sinks is None else {"sinks": self.spec.sinks}
         if positions is not None:
             if isinstance(get_attn_backend(), AtomAttnBackend):
-                fused = {"qk_rope": self.spec.qk_rope, "positions": positions}
+                extra.update(qk_rope=self.spec.qk_rope, positions=positions)
             else:
                 q, k = self.spec.qk_rope(positions, q, k)
-        out = self.attn(q.reshape(q.shape[0], -1), k, v, current_forward_batch(), **fused)
+        out = self.attn(q.reshape(q.shape[0], -1), k, v, current_forward_batch(), **extra)
         return out.view(-1, self.spec.num_heads, self.spec.v_head_dim)
 
 

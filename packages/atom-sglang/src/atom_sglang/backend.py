@@ -15,21 +15,32 @@ policy picks torch on CPU, Triton on GPU), over the pool viewed as pages:
   weight-absorbed form (q `[T, H, L + R]`, values = the first L channels): decode steps
   run `atom.kernels.mla_decode_attention`, extend steps the same latent-space MQA
   through `paged_attention`.
+* Hybrid SWA pool (`SWAKVPool`, models with sliding-window and full layers, e.g.
+  GPT-OSS): two MHA pools. `req_to_token` and `out_cache_loc` name slots of the full
+  pool; a sliding layer's slot is their translation (`translate_loc_from_full_to_swa`),
+  and SGLang frees the sliding pool's slots of tokens that left the window (they
+  translate to its padding slot 0, which the kernels may read but mask). So each step
+  gets a second metadata, `swa_forward_metadata`, with the block table and slot mapping
+  translated once; every layer that `layers_mapping` marks sliding attends with it.
 
-CUDA graphs (decode): `init_cuda_graph_state` allocates static metadata buffers;
+CUDA graphs (decode): `init_cuda_graph_state` allocates static metadata buffers (with a
+hybrid SWA pool, translated copies of the block table and slot mapping too);
 `init_forward_metadata_out_graph` refills them from the (padded) batch before capture
 and before every replay, so the captured kernels read the same addresses each time. The
-metadata object over them is built once per captured batch size.
+metadata objects over them are built once per captured batch size.
 It serves SGLang's own models as well as ATOM's (any `RadixAttention` caller).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from atom.forward_context import AttentionMetadata
 from atom.hosts.token_table import (
@@ -54,6 +65,42 @@ def atom_sliding_window(sglang_window: int | None) -> int | None:
     return sglang_window + 1
 
 
+def translate_pages(
+    block_table: torch.Tensor,
+    translate_slots: Callable[[torch.Tensor], torch.Tensor],
+    page_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The full pool's page ids -> the sliding-window pool's, int32. SGLang allocates
+    both sides of a page alike (a token keeps its in-page offset), so a page's first
+    slot translates to its sliding page's first slot. With `out`, written there."""
+    first_slots = block_table.long() * page_size
+    pages = translate_slots(first_slots) // page_size
+    if out is None:
+        return pages.to(torch.int32)
+    return out.copy_(pages)
+
+
+def translated_metadata(
+    metadata: AttentionMetadata,
+    translate_slots: Callable[[torch.Tensor], torch.Tensor],
+    page_size: int,
+) -> AttentionMetadata:
+    """`metadata` over the sliding-window pool: the same sequences and bounds, its block
+    table and slot mapping translated (padding -1 stays -1: SGLang's translation
+    table ends with a -1 sentinel)."""
+    return dataclasses.replace(
+        metadata,
+        block_table=translate_pages(metadata.block_table, translate_slots, page_size),
+        slot_mapping=translate_slots(metadata.slot_mapping),
+    )
+
+
+def sub_pools(pool: Any) -> tuple[Any, ...]:
+    """The pools that hold the layers' KV: a hybrid SWA pool's full and sliding pools."""
+    return (pool.full_kv_pool, pool.swa_kv_pool) if isinstance(pool, SWAKVPool) else (pool,)
+
+
 class AtomAttnBackend(AttentionBackend):
     """SGLang `AttentionBackend` running ATOM's schema and kernels."""
 
@@ -65,19 +112,40 @@ class AtomAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.req_to_token = self.req_to_token_pool.req_to_token
         self.page_size = model_runner.page_size
-        self.is_mla = hasattr(self.token_to_kv_pool, "kv_lora_rank")
-        if not self.is_mla and getattr(self.token_to_kv_pool, "use_hnd", False):
+        pools = sub_pools(self.token_to_kv_pool)
+        self.is_mla = hasattr(pools[0], "kv_lora_rank")
+        if self.is_mla and len(pools) > 1:
+            raise NotImplementedError("ATOM's attention backend has no hybrid SWA MLA pool")
+        if not self.is_mla and any(getattr(p, "use_hnd", False) for p in pools):
             raise NotImplementedError("ATOM's attention backend reads the NHD KV layout")
-        if getattr(self.token_to_kv_pool, "is_quantized_kv_cache", False):
+        if any(getattr(p, "is_quantized_kv_cache", False) for p in pools):
             raise NotImplementedError("ATOM's attention backend has no quantized KV cache")
+        translator = getattr(model_runner, "kv_index_translator", None)
+        if translator is not None and translator.is_translating:
+            # req_to_token then holds virtual ids, which are no slots of the pool.
+            raise NotImplementedError("ATOM's attention backend has no unified KV pool")
+        # Hybrid SWA pool: the layers whose KV lives in the sliding-window pool.
+        self.swa_pool: SWAKVPool | None = None
+        self.swa_layers: frozenset[int] = frozenset()
+        if isinstance(self.token_to_kv_pool, SWAKVPool):
+            self.swa_pool = self.token_to_kv_pool
+            mapping = self.swa_pool.layers_mapping
+            self.swa_layers = frozenset(i for i, (_, is_swa) in mapping.items() if is_swa)
         self.max_context_len = self.req_to_token.shape[1]
         self.forward_metadata: AttentionMetadata | None = None
+        self.swa_forward_metadata: AttentionMetadata | None = None  # hybrid SWA pool
         self.graph_buffers: dict[str, torch.Tensor] | None = None
-        self.graph_metadata: dict[int, AttentionMetadata] = {}  # by captured batch size
+        # By captured batch size: (full metadata, sliding-window metadata or None).
+        self.graph_metadata: dict[int, tuple[AttentionMetadata, AttentionMetadata | None]] = {}
         self.num_calls = 0  # for tests and logs: proof that this backend ran
+        hybrid = ""
+        if self.swa_pool is not None:
+            full = sorted(set(self.swa_pool.layers_mapping) - self.swa_layers)
+            hybrid = f", hybrid SWA (full layers {full}, sliding layers {sorted(self.swa_layers)})"
         logger.info(
-            "ATOM attention backend: %s pool, page size %d, kernels: paged_attention=%s",
+            "ATOM attention backend: %s pool%s, page size %d, kernels: paged_attention=%s",
             "MLA" if self.is_mla else "MHA",
+            hybrid,
             self.page_size,
             selected_backend("paged_attention", self.device),
         )
@@ -87,7 +155,7 @@ class AtomAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: Any) -> None:
         mode = forward_batch.forward_mode
         if mode.is_idle():
-            self.forward_metadata = None
+            self.forward_metadata = self.swa_forward_metadata = None
             return
         if mode.is_target_verify() or mode.is_draft_extend_v2():
             raise NotImplementedError("ATOM's attention backend has no speculative decoding")
@@ -110,6 +178,12 @@ class AtomAttnBackend(AttentionBackend):
             query_lens_cpu=query_lens_cpu,
             all_decodes=mode.is_decode(),
         )
+        if self.swa_pool is not None:
+            self.swa_forward_metadata = translated_metadata(
+                self.forward_metadata,
+                self.swa_pool.translate_loc_from_full_to_swa,
+                self.page_size,
+            )
 
     # ------------------------------------------------------------ CUDA graphs (decode)
 
@@ -122,6 +196,9 @@ class AtomAttnBackend(AttentionBackend):
             "block_table": torch.zeros(max_bs, width, dtype=torch.int32, **kw),
             "slot_mapping": torch.zeros(max_num_tokens, dtype=torch.int64, **kw),
         }
+        if self.swa_pool is not None:
+            for name in ("block_table", "slot_mapping"):
+                self.graph_buffers[f"swa_{name}"] = torch.zeros_like(self.graph_buffers[name])
         self.graph_metadata = {}
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -147,14 +224,25 @@ class AtomAttnBackend(AttentionBackend):
             width * self.page_size,
             out=buffers["block_table"],
         )
-        self.forward_metadata = self._graph_metadata(bs)
+        if self.swa_pool is not None:
+            translate = self.swa_pool.translate_loc_from_full_to_swa
+            swa_slots = buffers["swa_slot_mapping"][:bs]
+            swa_slots.copy_(translate(buffers["slot_mapping"][:bs]))
+            translate_pages(
+                buffers["block_table"][:bs],
+                translate,
+                self.page_size,
+                out=buffers["swa_block_table"][:bs],
+            )
+        self.forward_metadata, self.swa_forward_metadata = self._graph_metadata(bs)
 
-    def _graph_metadata(self, bs: int) -> AttentionMetadata:
-        """The metadata of the graph for `bs` requests, built once (at capture) over the
-        static buffers; replays only refill the buffers. Its bounds are graph-stable: the
-        kernels' launch grids must not depend on the batch being replayed."""
-        metadata = self.graph_metadata.get(bs)
-        if metadata is None:
+    def _graph_metadata(self, bs: int) -> tuple[AttentionMetadata, AttentionMetadata | None]:
+        """The metadata of the graph for `bs` requests (and its sliding-window twin with a
+        hybrid SWA pool), built once (at capture) over the static buffers; replays only
+        refill the buffers. Their bounds are graph-stable: the kernels' launch grids must
+        not depend on the batch being replayed."""
+        pair = self.graph_metadata.get(bs)
+        if pair is None:
             buffers = self.graph_buffers
             width = buffers["block_table"].shape[1]
             metadata = AttentionMetadata(
@@ -167,8 +255,15 @@ class AtomAttnBackend(AttentionBackend):
                 max_query_len=1,
                 max_seq_len=width * self.page_size,
             )
-            self.graph_metadata[bs] = metadata
-        return metadata
+            swa_metadata = None
+            if self.swa_pool is not None:
+                swa_metadata = dataclasses.replace(
+                    metadata,
+                    block_table=buffers["swa_block_table"][:bs],
+                    slot_mapping=buffers["swa_slot_mapping"][:bs],
+                )
+            pair = self.graph_metadata[bs] = (metadata, swa_metadata)
+        return pair
 
     # ------------------------------------------------------------ attention
 
@@ -178,9 +273,12 @@ class AtomAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._attend(q, k, v, layer, save_kv_cache, **kwargs)
 
-    def _attend(self, q, k, v, layer, save_kv_cache: bool, qk_rope=None, positions=None):
+    def _attend(
+        self, q, k, v, layer, save_kv_cache: bool, qk_rope=None, positions=None, sinks=None
+    ):
         """`qk_rope` and `positions` (from `SglangAttention` of a fusing family): q and k
-        are raw, and rotate in the kernel that writes the cache."""
+        are raw, and rotate in the kernel that writes the cache. `sinks`: the layer's
+        per-head attention-sink logits (GPT-OSS), as SGLang's backends take them."""
         metadata = self._step_metadata(layer.layer_id)
         if self.is_mla:
             return self._attend_mla(q, k, layer, metadata, save_kv_cache)
@@ -195,6 +293,7 @@ class AtomAttnBackend(AttentionBackend):
         attention = {
             "sliding_window": atom_sliding_window(layer.sliding_window_size),
             "logits_soft_cap": layer.logit_cap or None,
+            "sinks": sinks,
         }
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         if save_kv_cache and k is not None:
@@ -220,7 +319,11 @@ class AtomAttnBackend(AttentionBackend):
         return out.view(q.shape[0], -1)
 
     def _step_metadata(self, layer_id: int) -> AttentionMetadata:
-        metadata = self.forward_metadata
+        """This step's metadata in the index space of the pool that holds `layer_id`."""
+        if layer_id in self.swa_layers:
+            metadata = self.swa_forward_metadata
+        else:
+            metadata = self.forward_metadata
         if metadata is None:
             raise RuntimeError("ATOM attention backend: no metadata for this forward")
         self.num_calls += 1

@@ -1,7 +1,8 @@
-"""The three changes atom-sglang makes to SGLang's behaviour; each says why, what, and where
+"""The four changes atom-sglang makes to SGLang's behaviour; each says why, what, and where
 it was checked. Changes 2 and 3 go through SGLang's own API for changing the resolved
 configuration after it was published (`runtime_context.get_context().override`), with
-SGLang's own `with_phase` copy of the CUDA-graph config.
+SGLang's own `with_phase` copy of the CUDA-graph config; change 4 through its API for
+wrapping a step of argument resolution (`register_resolution_hook`).
 
 1. `support_triton` on the CPU engine (a hook through SGLang's own HookRegistry).
 `sglang.srt.utils.common.support_triton(backend_name)` decides from the attention
@@ -48,29 +49,97 @@ runner read the config, so they all see the new sizes. Not changed:
 (its graph reserve, max_bs * 2 MB, stays 1.5 GB below what `--cuda-graph-max-bs-decode
 1024` would reserve). Checked on SGLang 0.5.17 and 0.5.21 (on 0.5.21 in-process on CPU
 with a config published as on a GPU; not yet re-measured on a GPU).
+
+4. The "atom" backend passes SGLang's attention-backend check for GPT-OSS
+(`admit_atom_backend`, a resolution hook around `handle_model_specific_adjustments`).
+For GptOssForCausalLM that step (`arg_groups/model_hook.py`) asserts that the prefill
+and decode attention backends are among 'triton', 'trtllm_mha', 'fa3', 'fa4', 'ascend',
+'intel_amx', 'intel_xpu' and 'aiter', SGLang's backends with attention sinks and sliding
+windows. ATOM's backend has both, but is not on that list, so
+`attention_backend="atom"` fails at launch ("GptOssForCausalLM requires one of [...]
+attention backend"), on CPU and GPU alike. What it changes: for an architecture in
+`SINKS_AND_WINDOW_ARCHITECTURES` that ATOM serves, the attention-backend fields that
+resolve to "atom" are declared (SGLang's `declare_resolution`, how every step writes)
+as "triton" while the step runs, and as "atom" again right after it. For
+GptOssForCausalLM the step reads the backend names only for that check (its model
+overrides choose a backend only where none is set), so everything else it does runs as
+before: the model overrides (MoE runner, dtype), the MoE runner's ep_size check, the
+hybrid-cache and all-reduce passes. Other backends, other models, and SGLang's own
+GPT-OSS (the plugin in backend-only mode) keep the check. Checked on SGLang 0.5.21
+(its CPU engine end to end; the step has no device-specific branch for this check).
 """
 
 from __future__ import annotations
 
-BACKEND_NAME = "atom"
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from atom_sglang.guard import ATTENTION_FIELDS, BACKEND_NAME
+
 SOURCE = "atom_sglang.patches"  # the provenance SGLang records with each override
 SUPPORT_TRITON = "sglang.srt.utils.common.support_triton"
+MODEL_STEP = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"  # change 4
+# Change 4: the architectures whose model step demands a backend with attention sinks
+# and sliding windows, and the name "atom" is declared as while that step runs (one of
+# SGLang's backends with both, which the step accepts on every device).
+SINKS_AND_WINDOW_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
+SINKS_AND_WINDOW_STAND_IN = "triton"
 
 
 def _support_triton_on_cpu(original, backend: str) -> bool:
     return False if backend == BACKEND_NAME else original(backend)
 
 
-def apply_patches() -> list[str]:
-    """Registers the hooks this process needs (SGLang applies them after its plugins
-    ran); returns the patched targets."""
+def apply_patches(served: Iterable[str]) -> list[str]:
+    """Registers the hooks this process needs for the architectures ATOM `served`
+    (SGLang applies the HookRegistry ones after its plugins ran, the resolution hook at
+    launch); returns the patched targets."""
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.utils.common import is_cpu
 
-    if not is_cpu():
-        return []
-    HookRegistry.register(SUPPORT_TRITON, _support_triton_on_cpu, HookType.AROUND)
-    return [SUPPORT_TRITON]
+    patched = []
+    admitted = SINKS_AND_WINDOW_ARCHITECTURES.intersection(served)
+    if admitted:
+        step_name = MODEL_STEP.rpartition(".")[2]  # resolution hooks are keyed by name
+        register_resolution_hook(step_name)(admit_atom_backend(admitted))
+        patched.append(MODEL_STEP)
+    if is_cpu():
+        HookRegistry.register(SUPPORT_TRITON, _support_triton_on_cpu, HookType.AROUND)
+        patched.append(SUPPORT_TRITON)
+    return patched
+
+
+def _architecture(server_args: Any) -> str | None:
+    """The model's architecture as SGLang's model step reads it (None: no HF config)."""
+    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+    from sglang.srt.connector import ConnectorType
+    from sglang.srt.utils.common import parse_connector_type
+
+    if parse_connector_type(resolving_view(server_args).model_path) == ConnectorType.INSTANCE:
+        return None
+    return model_config_of(server_args).hf_config.architectures[0]
+
+
+def admit_atom_backend(architectures: frozenset[str]) -> Callable[[Any, Callable], None]:
+    """Change 4: the wrapper of SGLang's model step under which "atom" passes the
+    step's sinks-and-sliding-window backend check for `architectures`."""
+
+    def step(server_args: Any, previous: Callable[[Any], None]) -> None:
+        from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+        view = resolving_view(server_args)
+        fields = [f for f in ATTENTION_FIELDS if getattr(view, f) == BACKEND_NAME]
+        if not fields or _architecture(server_args) not in architectures:
+            previous(server_args)
+            return
+        declare_resolution(server_args, SOURCE, **dict.fromkeys(fields, SINKS_AND_WINDOW_STAND_IN))
+        previous(server_args)
+        # Back to "atom", unless the step itself decided a backend meanwhile.
+        kept = [f for f in fields if getattr(view, f) == SINKS_AND_WINDOW_STAND_IN]
+        declare_resolution(server_args, SOURCE, **dict.fromkeys(kept, BACKEND_NAME))
+
+    return step
 
 
 def _graph_config():
