@@ -60,6 +60,14 @@ def check_mtp_layer_skipped(folder: Path, config, caplog) -> None:
     assert f"{config.architectures[0]}: {skipped}" in line
 
 
+def write_with_random_vectors(config, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A random checkpoint of `config` with matrices of std 0.1 and moved vectors
+    (`randomize_vectors`): the form the MoE families' parity tests run."""
+    write_checkpoint(config, folder, dtype=dtype, init_std=0.1)
+    randomize_vectors(folder)
+    return folder
+
+
 def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     # Greedy references run to max_new_tokens through EOS, like ignore_eos in ATOM.

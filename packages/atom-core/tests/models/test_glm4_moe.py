@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import Glm4MoeConfig
@@ -13,8 +11,8 @@ from tests.models.harness import (
     check_against_hf,
     check_greedy_generation,
     check_mtp_layer_skipped,
-    randomize_vectors,
     write_checkpoint,
+    write_with_random_vectors,
 )
 
 # Smaller than atom.testing's defaults (ATOM's paged path has no head_dim floor); the
@@ -50,15 +48,9 @@ CASES = {
 }
 
 
-def write_glm(config, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
-    write_checkpoint(config, folder, dtype=dtype, init_std=0.1)
-    randomize_vectors(folder)
-    return folder
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_match_hf(tmp_path, name):
-    folder = write_glm(CASES[name], tmp_path)
+    folder = write_with_random_vectors(CASES[name], tmp_path)
     check_against_hf(folder, prompt_lengths=[1, 7, 19, 33], decode_steps=4)
 
 
@@ -73,7 +65,7 @@ def test_cached_prefix_and_sharded_checkpoint(tmp_path):
 def test_mtp_layers_in_checkpoint_are_skipped_with_one_log_line(tmp_path, caplog):
     # GLM-4.5 checkpoints carry num_nextn_predict_layers MTP layers after the last layer.
     config = CASES["glm-4.5-dense1"]
-    check_mtp_layer_skipped(write_glm(config, tmp_path), config, caplog)
+    check_mtp_layer_skipped(write_with_random_vectors(config, tmp_path), config, caplog)
 
 
 def test_bf16_logits_close_to_hf(tmp_path):
@@ -82,11 +74,11 @@ def test_bf16_logits_close_to_hf(tmp_path):
     # cover the routing choices). Bound: a few bf16 ULPs of the logits' scale.
     experts = tiny_fields("Glm4MoeForCausalLM")["n_routed_experts"]
     config = glm_config(n_group=1, topk_group=1, num_experts_per_tok=experts)
-    folder = write_glm(config, tmp_path, dtype=torch.bfloat16)
+    folder = write_with_random_vectors(config, tmp_path, dtype=torch.bfloat16)
     check_against_hf(folder, [5, 17], decode_steps=3, dtype=torch.bfloat16, atol=5e-2)
 
 
 @pytest.mark.parametrize("name", ["glm-4.5-dense1", "air-one-group-no-norm"])
 def test_greedy_generation_matches_hf(tmp_path, name):
-    folder = write_glm(CASES[name], tmp_path)
+    folder = write_with_random_vectors(CASES[name], tmp_path)
     check_greedy_generation(folder, prompt_lengths=[3, 11, 26], max_new_tokens=16)

@@ -15,8 +15,8 @@ from tests.models.harness import (
     PagedModel,
     check_against_hf,
     check_greedy_generation,
-    randomize_vectors,
     write_checkpoint,
+    write_with_random_vectors,
 )
 
 # Smaller than atom.testing's defaults (ATOM's paged path has no head_dim floor).
@@ -39,21 +39,15 @@ CASES = {
 }
 
 
-def write_gpt_oss(config, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
-    write_checkpoint(config, folder, dtype=dtype, init_std=0.1)
-    randomize_vectors(folder)
-    return folder
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_match_hf(tmp_path, name):
-    folder = write_gpt_oss(CASES[name], tmp_path)
+    folder = write_with_random_vectors(CASES[name], tmp_path)
     check_against_hf(folder, prompt_lengths=[1, 7, 19, 33], decode_steps=4)
 
 
 @pytest.mark.skipif(not HF_READS_SWIGLU_LIMIT, reason="this transformers fixes the limit")
 def test_clamped_swiglu_limit_from_config(tmp_path):
-    folder = write_gpt_oss(gpt_oss_config(swiglu_limit=0.3), tmp_path)
+    folder = write_with_random_vectors(gpt_oss_config(swiglu_limit=0.3), tmp_path)
     check_against_hf(folder, prompt_lengths=[9, 20], decode_steps=2)
 
 
@@ -66,12 +60,12 @@ def test_cached_prefix_and_sharded_checkpoint(tmp_path):
 def test_bf16_logits_close_to_hf(tmp_path):
     # Every token takes all experts, so bf16 noise cannot flip a routing choice.
     config = gpt_oss_config(num_experts_per_tok=8)
-    folder = write_gpt_oss(config, tmp_path, dtype=torch.bfloat16)
+    folder = write_with_random_vectors(config, tmp_path, dtype=torch.bfloat16)
     check_against_hf(folder, [5, 21], decode_steps=3, dtype=torch.bfloat16, atol=5e-2)
 
 
 def test_greedy_generation_matches_hf(tmp_path):
-    folder = write_gpt_oss(CASES["sliding-full"], tmp_path)
+    folder = write_with_random_vectors(CASES["sliding-full"], tmp_path)
     check_greedy_generation(folder, prompt_lengths=[3, 11, 26], max_new_tokens=16)
 
 
@@ -94,7 +88,7 @@ def write_mxfp4_pair(config, folder: Path) -> tuple[Path, Path]:
     them), and unquantized with those experts as HF's own MXFP4 dequantization gives them."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    source = write_gpt_oss(config, folder / "source")
+    source = write_with_random_vectors(config, folder / "source")
     tensors = load_file(source / "model.safetensors")
     quantized, dequantized = {}, {}
     for name, tensor in tensors.items():
@@ -130,7 +124,7 @@ def test_mxfp4_experts_load_as_hf_dequantizes_them(tmp_path, caplog):
 
 
 def test_missing_sinks_name_the_tensor(tmp_path):
-    folder = write_gpt_oss(CASES["sliding-full"], tmp_path)
+    folder = write_with_random_vectors(CASES["sliding-full"], tmp_path)
     path = folder / "model.safetensors"
     tensors = load_file(path)
     del tensors["model.layers.1.self_attn.sinks"]
@@ -140,7 +134,7 @@ def test_missing_sinks_name_the_tensor(tmp_path):
 
 
 def test_unknown_rope_scaling_is_named(tmp_path):
-    folder = write_gpt_oss(CASES["sliding-full"], tmp_path)
+    folder = write_with_random_vectors(CASES["sliding-full"], tmp_path)
     config_path = folder / "config.json"
     config_path.write_text(config_path.read_text().replace('"yarn"', '"longrope2"'))
     with pytest.raises(ValueError, match="unsupported rope scaling type 'longrope2'"):

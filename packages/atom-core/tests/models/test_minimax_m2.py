@@ -20,8 +20,8 @@ from tests.models.harness import (
     check_against_hf,
     check_greedy_generation,
     check_mtp_layer_skipped,
-    randomize_vectors,
     write_checkpoint,
+    write_with_random_vectors,
 )
 
 # Smaller than atom.testing's defaults (ATOM's paged path has no head_dim floor); the
@@ -49,15 +49,9 @@ CASES = {
 }
 
 
-def write_minimax(config, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
-    write_checkpoint(config, folder, dtype=dtype, init_std=0.1)
-    randomize_vectors(folder)
-    return folder
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_match_hf(tmp_path, name):
-    folder = write_minimax(CASES[name], tmp_path)
+    folder = write_with_random_vectors(CASES[name], tmp_path)
     check_against_hf(folder, prompt_lengths=[1, 7, 19, 33], decode_steps=4)
 
 
@@ -71,7 +65,7 @@ def test_rotary_width_named_only_as_rotary_dim(tmp_path):
     # Released configs name the rotary width only as `rotary_dim`, which transformers
     # 5.12 leaves unread (its HF model then rotates whole heads): ATOM reads it there too.
     # HF runs the same weights with the width also given as partial_rotary_factor.
-    folder = write_minimax(CASES["m2"], tmp_path / "hf")
+    folder = write_with_random_vectors(CASES["m2"], tmp_path / "hf")
     released = Path(shutil.copytree(folder, tmp_path / "released"))
     raw = json.loads((released / "config.json").read_text())
     raw.pop("partial_rotary_factor", None)
@@ -84,7 +78,7 @@ def test_rotary_width_named_only_as_rotary_dim(tmp_path):
 def test_without_routing_bias(tmp_path):
     # A checkpoint without the correction bias: HF routes with its zero-initialised
     # buffer, ATOM without one.
-    folder = write_minimax(minimax_config(use_routing_bias=False), tmp_path)
+    folder = write_with_random_vectors(minimax_config(use_routing_bias=False), tmp_path)
     path = folder / "model.safetensors"
     tensors = load_file(path)
     biases = [name for name in tensors if name.endswith("e_score_correction_bias")]
@@ -105,14 +99,14 @@ def test_without_qk_norm(tmp_path, monkeypatch):
         self.q_norm, self.k_norm = nn.Identity(), nn.Identity()
 
     monkeypatch.setattr(modeling_minimax_m2.MiniMaxM2Attention, "__init__", init_without_qk_norm)
-    folder = write_minimax(minimax_config(use_qk_norm=False), tmp_path)
+    folder = write_with_random_vectors(minimax_config(use_qk_norm=False), tmp_path)
     check_against_hf(folder, prompt_lengths=[9, 17], decode_steps=2)
 
 
 def test_mtp_layers_in_checkpoint_are_skipped_with_one_log_line(tmp_path, caplog):
     # MiniMax-M2 checkpoints carry num_mtp_modules MTP layers after the last layer.
     config = CASES["m2"]
-    check_mtp_layer_skipped(write_minimax(config, tmp_path), config, caplog)
+    check_mtp_layer_skipped(write_with_random_vectors(config, tmp_path), config, caplog)
 
 
 def test_bf16_logits_close_to_hf(tmp_path):
@@ -120,13 +114,15 @@ def test_bf16_logits_close_to_hf(tmp_path):
     # choices now and then, a discrete jump rather than a rounding error (the fp32 tests
     # cover the routing choices). Bound: a few bf16 ULPs of the logits' scale.
     experts = tiny_fields("MiniMaxM2ForCausalLM")["num_local_experts"]
-    folder = write_minimax(minimax_config(num_experts_per_tok=experts), tmp_path, torch.bfloat16)
+    folder = write_with_random_vectors(
+        minimax_config(num_experts_per_tok=experts), tmp_path, torch.bfloat16
+    )
     check_against_hf(folder, [5, 17], decode_steps=3, dtype=torch.bfloat16, atol=5e-2)
 
 
 @pytest.mark.parametrize("name", ["m2", "mqa-top3-full-rotary"])
 def test_greedy_generation_matches_hf(tmp_path, name):
-    folder = write_minimax(CASES[name], tmp_path)
+    folder = write_with_random_vectors(CASES[name], tmp_path)
     check_greedy_generation(folder, prompt_lengths=[3, 11, 26], max_new_tokens=16)
 
 
