@@ -38,6 +38,7 @@ from atom_sglang.adapters import SglangAdapter, adapter_for
 from atom_sglang.attention_layer import (
     FORWARD_BATCH,
     LAYER_FOR_ATTENTION,
+    SglangAttention,
     sglang_attention_factory,
 )
 from atom_sglang.config import UnsupportedSglangFeature, atom_model_config
@@ -109,6 +110,22 @@ class AtomForCausalLM(nn.Module):
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.model.embed_tokens
+
+    def get_attention_sliding_window_size(self) -> int | None:
+        """The window SGLang's hybrid SWA pool keeps (SGLang asks its models for it): the
+        sliding layers' RadixAttention window, in SGLang's convention (w + 1 keys), as its
+        own models report it; None without sliding-window layers."""
+        windows = {
+            module.attn.sliding_window_size
+            for module in self.modules()
+            if isinstance(module, SglangAttention) and module.attn.sliding_window_size >= 0
+        }
+        if len(windows) > 1:
+            raise UnsupportedSglangFeature(
+                f"ATOM {self.entry.architecture}: SGLang's SWA pool keeps one window, the "
+                f"layers have {sorted(windows)}"
+            )
+        return windows.pop() if windows else None
 
     def _check_kv_pool(self) -> None:
         from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
