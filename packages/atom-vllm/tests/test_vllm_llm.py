@@ -26,6 +26,7 @@ from vllm_harness import BLOCK_SIZE, ENGINE, PREFIX_BLOCKS, Job, result_of, roun
 
 from atom.registry import get_entry
 from atom.testing import hf_greedy
+from atom.testing.mxfp4 import write_mxfp4_pair
 from atom_vllm import served_architectures
 
 pytestmark = pytest.mark.slow
@@ -85,6 +86,14 @@ def runs(checkpoints, tmp_path_factory):
                 )
             )
     jobs.append(Job("GPT2LMHeadModel-plugin", checkpoints("GPT2LMHeadModel"), ENGINE, rounds(9)))
+    if "GptOssForCausalLM" in ARCHS:
+        # vLLM takes GPT-OSS's MXFP4 method ("gpt_oss_mxfp4") in bfloat16 only.
+        mxfp4, reference = write_mxfp4_pair(
+            checkpoints("GptOssForCausalLM"), tmp_path_factory.mktemp("gpt-oss-mxfp4")
+        )
+        bf16 = {**ENGINE, "model_impl": "atom", "dtype": "bfloat16"}
+        jobs.append(Job("GptOss-mxfp4", mxfp4, bf16, rounds(11), probe=False))
+        jobs.append(Job("GptOss-mxfp4-reference", reference, bf16, rounds(11), probe=False))
     return run_jobs(jobs, tmp_path_factory.mktemp("vllm-llm"))
 
 
@@ -175,6 +184,17 @@ def test_tensor_parallel_uses_vllm_tp_group(runs):
     stock = result_of(runs, "LlamaForCausalLM-stock")
     for name in ("batch", "prefix_warm", "prefix_reuse"):
         assert tokens(result, name) == tokens(stock, name)
+
+
+def test_gpt_oss_mxfp4_checkpoint_serves_as_its_dequantized_experts(runs):
+    """An MXFP4 GPT-OSS checkpoint (vLLM's "gpt_oss_mxfp4") under ATOM gives the tokens of
+    the same model with the experts as HF dequantizes them (bf16, the dtype vLLM allows)."""
+    needs("GptOssForCausalLM")
+    mxfp4 = result_of(runs, "GptOss-mxfp4")
+    reference = result_of(runs, "GptOss-mxfp4-reference")
+    for name in ("batch", "prefix_warm", "prefix_reuse"):
+        assert tokens(mxfp4, name) == tokens(reference, name), name
+    assert "MXFP4 experts are dequantized to the model dtype at load" in mxfp4.log
 
 
 def test_unsupported_architecture_runs_with_vllm_class(runs):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -11,6 +9,7 @@ from transformers import GptOssConfig
 
 from atom.loader import CheckpointError
 from atom.testing import tiny_config
+from atom.testing.mxfp4 import write_mxfp4_pair
 from tests.models.harness import (
     PagedModel,
     check_against_hf,
@@ -69,56 +68,10 @@ def test_greedy_generation_matches_hf(tmp_path):
     check_greedy_generation(folder, prompt_lengths=[3, 11, 26], max_new_tokens=16)
 
 
-def quantize_mxfp4(linear: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., K] -> blocks [..., K/32, 16] uint8 and scales [..., K/32] uint8 (OCP MX: the
-    shared exponent puts each group's largest value at or below e2m1's 6.0)."""
-    codes_by_value = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    groups = linear.float().unflatten(-1, (-1, 32))
-    amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
-    exponent = torch.ceil(torch.log2(amax / 6.0))
-    scaled = groups / torch.exp2(exponent)
-    magnitude = (scaled.abs().unsqueeze(-1) - codes_by_value).abs().argmin(-1)
-    codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks, (exponent.squeeze(-1) + 127).to(torch.uint8)
-
-
-def write_mxfp4_pair(config, folder: Path) -> tuple[Path, Path]:
-    """The same model twice: with MXFP4 experts (as released GPT-OSS checkpoints store
-    them), and unquantized with those experts as HF's own MXFP4 dequantization gives them."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    source = write_with_random_vectors(config, folder / "source")
-    tensors = load_file(source / "model.safetensors")
-    quantized, dequantized = {}, {}
-    for name, tensor in tensors.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # the Linear layout
-            quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
-            dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-        else:
-            quantized[name] = dequantized[name] = tensor
-    for kind, tensors in (("mxfp4", quantized), ("reference", dequantized)):
-        out = folder / kind
-        out.mkdir()
-        (out / "config.json").write_text((source / "config.json").read_text())
-        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config_path = folder / "mxfp4" / "config.json"
-    config_path.write_text(
-        config_path.read_text().replace(
-            '"model_type"',
-            '"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": '
-            '["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", '
-            '"lm_head"]},\n  "model_type"',
-            1,
-        )
-    )
-    return folder / "mxfp4", folder / "reference"
-
-
 def test_mxfp4_experts_load_as_hf_dequantizes_them(tmp_path, caplog):
     # MXFP4 groups 32 values along each input dim: the expert MLP must be a multiple.
-    mxfp4, reference = write_mxfp4_pair(gpt_oss_config(intermediate_size=64), tmp_path)
+    source = write_with_random_vectors(gpt_oss_config(intermediate_size=64), tmp_path / "src")
+    mxfp4, reference = write_mxfp4_pair(source, tmp_path)
     check_against_hf(reference, prompt_lengths=[4, 18], decode_steps=2, atom_folder=mxfp4)
     assert "MXFP4 experts are dequantized to the model dtype at load" in caplog.text
 

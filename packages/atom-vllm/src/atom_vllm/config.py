@@ -10,6 +10,7 @@ Features ATOM's wrapper does not implement fail here, with the way out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,7 +19,9 @@ from atom.layers.quantization import QuantizationConfig, get_quant_config
 from atom.registry import ModelEntry, get_entry
 
 # vLLM's own names for the checkpoint quantization formats ATOM loads itself.
-_ATOM_QUANT_METHODS = {"fp8", "compressed-tensors"}
+_ATOM_QUANT_METHODS = {"fp8", "compressed-tensors", "gpt_oss_mxfp4"}
+# vLLM renames these methods inside the hf_config it hands over: the checkpoint's names.
+_CHECKPOINT_METHOD = {"gpt_oss_mxfp4": "mxfp4"}
 
 
 class UnsupportedVllmFeature(NotImplementedError):
@@ -65,7 +68,7 @@ def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
     quantization = model_config.quantization
     if quantization is not None and quantization not in _ATOM_QUANT_METHODS:
         raise unsupported(f"quantization={quantization!r}")
-    quant_config = get_quant_config(hf_config)
+    quant_config = get_quant_config(_with_checkpoint_method(hf_config))
     if quantization is not None and quant_config is None:
         raise unsupported(f"online quantization ({quantization!r} on an unquantized checkpoint)")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
@@ -81,3 +84,13 @@ def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
         block_size=vllm_config.cache_config.block_size,
         model_impl=model_impl_of(vllm_config),
     )
+
+
+def _with_checkpoint_method(hf_config: Any) -> Any:
+    """`hf_config`, or a stand-in whose quantization_config names the method as the
+    checkpoint does (for the methods vLLM renames)."""
+    raw = getattr(hf_config, "quantization_config", None)
+    if not isinstance(raw, dict) or raw.get("quant_method") not in _CHECKPOINT_METHOD:
+        return hf_config
+    method = _CHECKPOINT_METHOD[raw["quant_method"]]
+    return SimpleNamespace(quantization_config={**raw, "quant_method": method})

@@ -1,0 +1,61 @@
+"""GPT-OSS checkpoints with MXFP4 experts, made from an unquantized one (as the released
+checkpoints store them: `*_blocks` / `*_scales` next to a `quant_method: mxfp4` config)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_NOT_QUANTIZED = [
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+]
+
+
+def quantize_mxfp4(linear):
+    """[..., K] -> blocks [..., K/32, 16] uint8 and scales [..., K/32] uint8 (OCP MX: the
+    shared exponent puts each group's largest value at or below e2m1's 6.0)."""
+    import torch
+
+    codes_by_value = torch.tensor(_E2M1_MAGNITUDES)
+    groups = linear.float().unflatten(-1, (-1, 32))
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    scaled = groups / torch.exp2(exponent)
+    magnitude = (scaled.abs().unsqueeze(-1) - codes_by_value).abs().argmin(-1)
+    codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent.squeeze(-1) + 127).to(torch.uint8)
+
+
+def write_mxfp4_pair(source: str | Path, folder: str | Path) -> tuple[Path, Path]:
+    """From the unquantized GPT-OSS checkpoint `source` (one safetensors file), the same
+    model twice under `folder`: "mxfp4" with MXFP4 experts, and "reference", unquantized,
+    with those experts as HF's own MXFP4 dequantization gives them (the expert MLP must be
+    a multiple of 32, MXFP4's group)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    source, folder = Path(source), Path(folder)
+    quantized, dequantized = {}, {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # the Linear layout
+            quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+            dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=tensor.dtype)
+        else:
+            quantized[name] = dequantized[name] = tensor
+    config = json.loads((source / "config.json").read_text())
+    quant = {"quant_method": "mxfp4", "modules_to_not_convert": _NOT_QUANTIZED}
+    for kind, tensors, fields in (
+        ("mxfp4", quantized, {**config, "quantization_config": quant}),
+        ("reference", dequantized, config),
+    ):
+        out = folder / kind
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps(fields, indent=2))
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return folder / "mxfp4", folder / "reference"
