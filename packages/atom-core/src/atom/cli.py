@@ -15,6 +15,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size in bytes")
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache storage: auto (the model dtype), fp8 or fp8_e4m3 (e4m3, per-layer scales)",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share to use"
     )
     parser.add_argument("--max-num-seqs", type=int, help="default: 512 on GPU, 256 on CPU")
@@ -36,6 +41,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -23,6 +23,10 @@ _DTYPES = {
 }
 
 
+# kv_cache_dtype values: "auto" stores K/V in the model dtype.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 class ConfigError(ValueError):
     """A config.json or engine setting that ATOM cannot run, with the reason."""
 
@@ -140,6 +144,18 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # a key of KV_CACHE_DTYPES
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
+                f"{sorted(KV_CACHE_DTYPES)} ('auto': the model dtype)"
+            )
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache tensors are allocated in."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
 
 @dataclass

@@ -11,6 +11,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from atom.layers.paged_attention_impl import NativeAttentionImpl
+
 # (ATOM parameter fragment, checkpoint fragment, shard id)
 StackedMapping = list[tuple[str, str, object]]
 # (ATOM parameter fragment, checkpoint fragment, expert id, shard id)
@@ -122,8 +124,48 @@ def process_weights_after_loading(model: nn.Module, skip: Iterable[nn.Module] = 
             hook()
 
 
+# Per-tensor KV-cache scales a checkpoint may give an attention layer `<p>.attn`: vLLM's
+# `<p>.attn.k_scale`, the older `<p>.k_scale`, compressed-tensors' `<p>.k_proj.output_scale`.
+KV_SCALE_SUFFIXES = (
+    (".k_scale", "k_scale"),
+    (".v_scale", "v_scale"),
+    (".k_proj.output_scale", "k_scale"),
+    (".v_proj.output_scale", "v_scale"),
+)
+
+
+def take_kv_scales(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Sets the KV-cache scales of the model's native attention layers from the checkpoint
+    tensors that carry them; yields every other tensor."""
+    layers = {m.spec.layer_name: m for m in model.modules() if isinstance(m, NativeAttentionImpl)}
+    for name, tensor in weights:
+        target = _kv_scale_target(name, layers)
+        if target is None:
+            yield name, tensor
+            continue
+        layer, attribute = target
+        if tensor.numel() != 1:
+            raise CheckpointError(
+                f"{name!r} has shape {tuple(tensor.shape)}: only per-tensor KV-cache scales "
+                "(one value) are supported"
+            )
+        setattr(layer, attribute, float(tensor))
+
+
+def _kv_scale_target(name: str, layers: dict[str, nn.Module]) -> tuple[nn.Module, str] | None:
+    for suffix, attribute in KV_SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            owner = name[: -len(suffix)]
+            for layer_name in (owner, f"{owner}.attn"):
+                if layer_name in layers:
+                    return layers[layer_name], attribute
+    return None
+
+
 def load_model_weights(model: nn.Module, folder: str | Path, progress: bool = True) -> None:
     """Loads a HF safetensors checkpoint (single file or sharded) into an ATOM model."""
-    loaded = model.load_weights(iterate_safetensors(folder, progress))
+    loaded = model.load_weights(take_kv_scales(model, iterate_safetensors(folder, progress)))
     check_all_loaded(model, loaded)
     process_weights_after_loading(model)

@@ -23,8 +23,10 @@ from atom.engine.model_runner import (
     TokenFeed,
     allocate_kv_cache,
     build_model,
+    check_fp8_kv_cache,
     kv_cache_bytes_per_block,
 )
+from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
 
 
 def _rank_device(device: str, rank: int) -> torch.device:
@@ -51,9 +53,12 @@ class _Shard:
         self.config = config
         self.device = _rank_device(config.device, rank)
         self.model = build_model(config.model, self.device, progress=progress)
+        self.cache_dtype = config.cache.cache_dtype(config.model.dtype)
+        if self.cache_dtype == FP8_KV_CACHE_DTYPE:
+            check_fp8_kv_cache(self.model, self.device, log=rank == 0)
 
     def blocks_from_memory(self) -> int:
-        cache, dtype = self.config.cache, self.config.model.dtype
+        cache, dtype = self.config.cache, self.cache_dtype
         per_block = kv_cache_bytes_per_block(self.model, cache.block_size, dtype)
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
@@ -72,7 +77,7 @@ class _Shard:
 
     def allocate(self, num_blocks: int) -> ModelRunner:
         config, cache = self.config, self.config.cache
-        allocate_kv_cache(self.model, num_blocks, cache.block_size, config.model.dtype, self.device)
+        allocate_kv_cache(self.model, num_blocks, cache.block_size, self.cache_dtype, self.device)
         runner = ModelRunner(self.model, cache.block_size, self.device)
         if config.use_cuda_graphs:
             runner.capture_cuda_graphs(config.max_num_seqs, config.model.max_model_len)
@@ -110,6 +115,7 @@ class Executor:
             self.control = _init_group(config, 0, port)
         shard = _Shard(config, 0, progress=True)
         self.model = shard.model
+        self.cache_dtype = shard.cache_dtype
         self.num_blocks = config.cache.num_blocks or shard.blocks_from_memory()
         self._broadcast(self.num_blocks)
         self.runner = shard.allocate(self.num_blocks)

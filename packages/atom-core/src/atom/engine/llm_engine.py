@@ -70,7 +70,11 @@ class LLMEngine:
         self.async_scheduling = async_scheduling and config.parallel.tensor_parallel_size == 1
         self._in_flight: _Step | None = None
         logger.info(
-            "KV cache: %d blocks of %d tokens", self.executor.num_blocks, config.cache.block_size
+            "KV cache: %d blocks of %d tokens = %d tokens (%s)",
+            self.executor.num_blocks,
+            config.cache.block_size,
+            self.executor.num_blocks * config.cache.block_size,
+            str(self.executor.cache_dtype).removeprefix("torch."),
         )
 
     # Requests -----------------------------------------------------------------------

@@ -22,6 +22,7 @@ from atom.kernels.rotary import apply_rotary_emb_torch
 def fused_qkv_rope_write_kv_torch(
     q, k, v, positions, cos_sin_cache, rotary_dim, is_neox,
     key_cache, value_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
+    k_scale=1.0, v_scale=1.0,
 ):  # fmt: skip
     normed_k = k
     if q_norm_weight is not None:
@@ -30,7 +31,9 @@ def fused_qkv_rope_write_kv_torch(
         positions, q, normed_k, cos_sin_cache, rotary_dim, is_neox
     )
     num_slots = slot_mapping.shape[0]
-    write_kv_cache_torch(rotated_k[:num_slots], v[:num_slots], key_cache, value_cache, slot_mapping)
+    write_kv_cache_torch(
+        rotated_k[:num_slots], v[:num_slots], key_cache, value_cache, slot_mapping, k_scale, v_scale
+    )
     k.copy_(rotated_k)
     return q
 
@@ -49,6 +52,9 @@ def fused_qkv_rope_write_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Returns q [T, Hq, D] ready for attention; writes k and v into the paged cache and
     leaves k (in place, every row) as written there: normalised and rotated.
@@ -59,11 +65,12 @@ def fused_qkv_rope_write_kv(
     channels, neox or gptj pairs, `cos_sin_cache[positions]`). Caches are
     [num_blocks, block_size, Hkv, D|Dv] views with any strides (vLLM's interleaved K/V,
     SGLang's pools with block_size 1). slot_mapping [T'] with T' <= T: -1 and tokens past
-    T' (a host's padding) are not written.
+    T' (a host's padding) are not written. k_scale / v_scale: an fp8 cache's per-tensor
+    scales (atom.kernels.kv_cache); k itself keeps the unquantized rotated keys.
     """
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q and k are normalised together: give both norm weights or neither")
     return dispatch("fused_qkv_rope_write_kv", q.device)(
         q, k, v, positions, cos_sin_cache, rotary_dim, is_neox,
-        key_cache, value_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
+        key_cache, value_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, k_scale, v_scale,
     )  # fmt: skip

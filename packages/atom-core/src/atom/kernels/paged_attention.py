@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from atom.forward_context import AttentionMetadata
+from atom.kernels.kv_cache import dequantize_kv, is_fp8_kv_cache
 from atom.kernels.policy import dispatch, register
 
 
@@ -57,7 +58,7 @@ def dense_attention(
 @register("paged_attention", "torch")
 def paged_attention_torch(
     query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-    key=None, value=None, sinks=None,
+    key=None, value=None, sinks=None, k_scale=1.0, v_scale=1.0,
 ):  # fmt: skip
     """The definition: every key from the cache (key/value hold the same new keys)."""
     starts = metadata.host_query_start_loc()
@@ -66,8 +67,8 @@ def paged_attention_torch(
         if end == begin:
             continue
         pages = metadata.block_table[i]
-        k = gather_pages(key_cache, pages, seq_len)
-        v = gather_pages(value_cache, pages, seq_len)
+        k = dequantize_kv(gather_pages(key_cache, pages, seq_len), k_scale)
+        v = dequantize_kv(gather_pages(value_cache, pages, seq_len), v_scale)
         positions = torch.arange(seq_len - (end - begin), seq_len, device=query.device)
         mask = attention_mask(positions, seq_len, sliding_window)
         out[begin:end] = dense_attention(
@@ -89,6 +90,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """query [T, Hq, D] against the cached K/V of each sequence -> [T, Hq, Dv].
 
@@ -103,6 +106,10 @@ def paged_attention(
 
     sinks [Hq], optional (GPT-OSS): a logit per query head that joins each query's softmax
     as one more key without a value, whatever the window (bf16 or fp32; fp32 math).
+
+    k_scale / v_scale: an fp8 cache's per-tensor scales; keys and values are read as
+    cache * scale (atom.kernels.kv_cache). An fp8 cache holds the new keys quantized, so
+    `key`/`value` (unquantized) are not handed on: every key comes from the pages.
     """
     if (key is None) != (value is None):
         raise ValueError("pass the new tokens' key and value together, or neither")
@@ -112,7 +119,9 @@ def paged_attention(
         )
     if out is None:
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
+    if is_fp8_kv_cache(key_cache):
+        key = value = None
     return dispatch("paged_attention", query.device)(
         query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-        key, value, sinks=sinks,
+        key, value, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip

@@ -53,9 +53,12 @@ class QKRope:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """The fused path: writes rotated k and v into the cache, leaves the rotated k in k
-        (in place: attention reads the new keys from it), returns rotated q."""
+        (in place: attention reads the new keys from it), returns rotated q. k_scale /
+        v_scale: an fp8 cache's per-tensor scales."""
         rope, norm = self.rotary_emb, self.q_norm is not None
         return fused_qkv_rope_write_kv(
             q, k, v, positions, rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style,
@@ -63,6 +66,7 @@ class QKRope:
             self.q_norm.weight if norm else None,
             self.k_norm.weight if norm else None,
             self.q_norm.eps if norm else 0.0,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
 
 

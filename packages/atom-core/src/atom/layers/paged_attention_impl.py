@@ -25,18 +25,25 @@ def write_kv_and_attend(
     qk_rope: QKRope | None = None,
     positions: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The step of every impl on ATOM's cache layout (native, vLLM, SGLang): K/V into the
     paged cache, then paged attention, which also gets the new K/V as dense rows (the
     prefill kernel reads the new tokens' keys from them). With `positions`, q and k are
     raw, `qk_rope` is applied in the same kernel as the KV write, and k is left rotated
-    (in place). slot_mapping may be shorter than q (host padding): only its tokens count."""
+    (in place). slot_mapping may be shorter than q (host padding): only its tokens count.
+    k_scale / v_scale: an fp8 cache's per-tensor scales (atom.kernels.kv_cache)."""
     slots = metadata.slot_mapping
     n = slots.shape[0]
     if positions is not None:
-        q = qk_rope.apply_and_write_kv(positions, q, k, v, key_cache, value_cache, slots)
+        q = qk_rope.apply_and_write_kv(
+            positions, q, k, v, key_cache, value_cache, slots, k_scale, v_scale
+        )
     else:
-        write_kv_cache(k[:n], v[:n], key_cache, value_cache, slots)
+        write_kv_cache(
+            k[:n], v[:n], key_cache, value_cache, slots, k_scale=k_scale, v_scale=v_scale
+        )
     return paged_attention(
         q,
         key_cache,
@@ -49,13 +56,17 @@ def write_kv_and_attend(
         out=out,
         key=k[:n],
         value=v[:n],
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
 class NativeAttentionImpl(nn.Module):
     """KV cache layout: key/value [num_blocks, block_size, num_kv_heads, head_dim].
 
-    The engine binds the caches with `bind_kv_cache` after it has sized the pool.
+    The engine binds the caches with `bind_kv_cache` after it has sized the pool. With an
+    fp8 cache, k_scale / v_scale are the layer's per-tensor scales: the checkpoint's
+    (atom.loader sets them while loading), 1.0 where it has none.
     """
 
     fuses_qk_rope = True
@@ -65,6 +76,8 @@ class NativeAttentionImpl(nn.Module):
         self.spec = spec
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         s = self.spec
@@ -102,4 +115,6 @@ class NativeAttentionImpl(nn.Module):
             sinks=self.spec.sinks,
             qk_rope=self.spec.qk_rope,
             positions=positions,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )

@@ -86,7 +86,7 @@ def summary(llm, options: ServeOptions, host: str, port: int) -> str:
         f"serving {options.served_model_name!r} ({config.model.path}, "
         f"{str(config.model.dtype).removeprefix('torch.')}, max_model_len "
         f"{config.model.max_model_len}) on {config.device}: KV cache {num_blocks} blocks = "
-        f"{kv_tokens} tokens, up to {config.max_num_seqs} sequences at once "
+        f"{kv_tokens} tokens ({str(llm.engine.executor.cache_dtype).removeprefix('torch.')}), up to {config.max_num_seqs} sequences at once "
         f"({kv_tokens / config.model.max_model_len:.1f}x max_model_len); "
         f"http://{host}:{port}/v1"
     )

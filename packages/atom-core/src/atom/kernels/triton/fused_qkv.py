@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels.kv_cache import is_fp8_kv_cache
 from atom.kernels.policy import register
+from atom.kernels.triton.kv_cache import quantize_kv
 
 # Channels per program: enough work per program to hide latency, few enough registers.
 TILE_ELEMENTS = 2048
@@ -59,12 +61,12 @@ def _norm_rope_heads(
 
 @triton.jit
 def _store_heads(dst, heads_ok, first, second, pair_ok, rest, rest_ok, x1, x2, xr,
-                 HAS_REST: tl.constexpr):  # fmt: skip
-    out_ty = dst.dtype.element_ty
-    tl.store(dst + first, x1.to(out_ty), mask=heads_ok & pair_ok)
-    tl.store(dst + second, x2.to(out_ty), mask=heads_ok & pair_ok)
+                 HAS_REST: tl.constexpr, scale, FP8: tl.constexpr):  # fmt: skip
+    """Stores into dst's dtype; FP8: quantized with `scale`, as an fp8 KV cache holds it."""
+    tl.store(dst + first, quantize_kv(x1, scale, dst, FP8), mask=heads_ok & pair_ok)
+    tl.store(dst + second, quantize_kv(x2, scale, dst, FP8), mask=heads_ok & pair_ok)
     if HAS_REST:
-        tl.store(dst + rest, xr.to(out_ty), mask=heads_ok & rest_ok)
+        tl.store(dst + rest, quantize_kv(xr, scale, dst, FP8), mask=heads_ok & rest_ok)
 
 
 # The token count changes every step: specialising on it (==1, %16) would recompile
@@ -77,8 +79,8 @@ def _fused_qkv_kernel(
     out_stride_t, out_stride_h,
     kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
     cos_sin_stride, num_q_heads, num_kv_heads, head_dim, v_head_dim, rotary_dim,
-    block_size, num_slots, num_q_tiles, eps,
-    NORM: tl.constexpr, IS_NEOX: tl.constexpr, HAS_REST: tl.constexpr,
+    block_size, num_slots, num_q_tiles, eps, k_scale, v_scale,
+    NORM: tl.constexpr, IS_NEOX: tl.constexpr, HAS_REST: tl.constexpr, FP8: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
@@ -106,7 +108,7 @@ def _fused_qkv_kernel(
             q_norm_ptr, head_dim, eps, NORM=NORM, HAS_REST=HAS_REST,
         )  # fmt: skip
         _store_heads(q_out_ptr + token * out_stride_t + heads * out_stride_h, heads_ok,
-                     first, second, pair_ok, rest, rest_ok, x1, x2, xr, HAS_REST)  # fmt: skip
+                     first, second, pair_ok, rest, rest_ok, x1, x2, xr, HAS_REST, 1.0, False)  # fmt: skip
     else:
         heads = (tile - num_q_tiles) * BLOCK_H + h
         # Tokens past the slot mapping are a host's padding, like slot -1.
@@ -119,24 +121,25 @@ def _fused_qkv_kernel(
         )  # fmt: skip
         # Every row back into k (the step's new keys for attention), slots only into the cache.
         _store_heads(k_heads, kv_heads_ok, first, second, pair_ok, rest, rest_ok,
-                     x1, x2, xr, HAS_REST)  # fmt: skip
+                     x1, x2, xr, HAS_REST, 1.0, False)  # fmt: skip
         heads_ok = kv_heads_ok & (slot >= 0)
         block, offset = slot // block_size, slot % block_size
         _store_heads(
             key_cache_ptr + block * kc_stride_b + offset * kc_stride_s + heads * kc_stride_h,
-            heads_ok, first, second, pair_ok, rest, rest_ok, x1, x2, xr, HAS_REST,
+            heads_ok, first, second, pair_ok, rest, rest_ok, x1, x2, xr, HAS_REST, k_scale, FP8,
         )  # fmt: skip
         vdims = tl.arange(0, BLOCK_DV)[None, :]
         vmask = heads_ok & (vdims < v_head_dim)
         v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + vdims, mask=vmask)
         v_dst = value_cache_ptr + block * vc_stride_b + offset * vc_stride_s + heads * vc_stride_h
-        tl.store(v_dst + vdims, v.to(value_cache_ptr.dtype.element_ty), mask=vmask)
+        tl.store(v_dst + vdims, quantize_kv(v, v_scale, value_cache_ptr, FP8), mask=vmask)
 
 
 @register("fused_qkv_rope_write_kv", "triton")
 def fused_qkv_rope_write_kv_triton(
     q, k, v, positions, cos_sin_cache, rotary_dim, is_neox,
     key_cache, value_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
+    k_scale=1.0, v_scale=1.0,
 ):  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, v_head_dim = k.shape[1], v.shape[2]
@@ -162,8 +165,8 @@ def fused_qkv_rope_write_kv_triton(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         cos_sin_cache.stride(0), num_q_heads, num_kv_heads, head_dim, v_head_dim, rotary_dim,
-        key_cache.shape[1], slot_mapping.shape[0], num_q_tiles, eps,
-        NORM=norm, IS_NEOX=is_neox, HAS_REST=rest > 0,
+        key_cache.shape[1], slot_mapping.shape[0], num_q_tiles, eps, k_scale, v_scale,
+        NORM=norm, IS_NEOX=is_neox, HAS_REST=rest > 0, FP8=is_fp8_kv_cache(key_cache),
         BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
         BLOCK_REST=triton.next_power_of_2(max(rest, 1)),

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels.kv_cache import is_fp8_kv_cache
 from atom.kernels.policy import register
 from atom.kernels.triton.prefill_attention import prefill_attention
 
@@ -55,15 +56,20 @@ def _attend_block(
     k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
     dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
     BLOCK_N: tl.constexpr, USE_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     """Folds keys [start, start + BLOCK_N) into the online-softmax state (log2 domain).
 
     Every key before kv_end precedes the decoded token: only the ragged end is masked.
+    FP8: the pages hold K / k_scale and V / v_scale; they widen to q's dtype exactly, and
+    the scales are applied outside the loop (k_scale inside `scale`, v_scale at the end).
     """
     n = start + tl.arange(0, BLOCK_N)
     n_valid = n < kv_end
     k = _load_page_rows(k_cache_ptr, table_row, n, n_valid, kv_head, k_stride_b, k_stride_s,
                         k_stride_h, dims, dims < head_dim, block_size)  # fmt: skip
+    if FP8:
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if USE_SOFT_CAP:
         s = s * scale
@@ -73,6 +79,8 @@ def _attend_block(
     s = tl.where(n_valid[None, :], s, float("-inf"))
     v = _load_page_rows(v_cache_ptr, table_row, n, n_valid, kv_head, v_stride_b, v_stride_s,
                         v_stride_h, vdims, vdims < v_head_dim, block_size)  # fmt: skip
+    if FP8:
+        v = v.to(q.dtype)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     p = tl.exp2(s - m_safe[:, None])
@@ -90,10 +98,10 @@ def _decode_split_kernel(
     q_stride_t, q_stride_h, k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
     o_stride_t, o_stride_h,
     bt_stride, scale, soft_cap, window, group, num_q_heads, block_size, head_dim, v_head_dim,
-    num_splits, sinks_ptr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    num_splits, sinks_ptr, v_scale, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, USE_SINKS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, USE_SINKS: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -130,8 +138,10 @@ def _decode_split_kernel(
             k_cache_ptr, v_cache_ptr, table_row, kv_head,
             k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
             dims, vdims, head_dim, v_head_dim, block_size, scale, soft_cap,
-            BLOCK_N, USE_SOFT_CAP, PRECISION,
+            BLOCK_N, USE_SOFT_CAP, PRECISION, FP8,
         )  # fmt: skip
+    if FP8:
+        acc = acc * v_scale
     out_mask = row_valid[:, None] & (vdims < v_head_dim)[None, :]
     if SINGLE_SPLIT:  # the state is already final: no partials, no reduce launch
         o = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
@@ -194,6 +204,7 @@ def _common(query, key_cache, value_cache, sliding_window, logits_soft_cap):
     num_kv_heads = key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
     return dict(
+        FP8=is_fp8_kv_cache(key_cache),
         window=sliding_window or 0,
         soft_cap=logits_soft_cap or 0.0,
         group=group,
@@ -222,7 +233,7 @@ def decode_splits(programs: int) -> int:
 
 def decode_attention(
     query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-    sinks=None,
+    sinks=None, k_scale=1.0, v_scale=1.0,
 ):  # fmt: skip
     num_decodes = metadata.num_decodes
     num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
@@ -243,12 +254,12 @@ def decode_attention(
         metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
         query.stride(0), query.stride(1), *_cache_strides(key_cache, value_cache),
         out.stride(0), out.stride(1),
-        metadata.block_table.stride(0), scale, args["soft_cap"], args["window"], args["group"],
+        metadata.block_table.stride(0), scale * k_scale if args["FP8"] else scale, args["soft_cap"], args["window"], args["group"],
         num_q_heads, args["block_size"], args["head_dim"], v_head_dim,
-        num_splits, query if sinks is None else sinks, GROUP=group_block, BLOCK_N=config["block_n"],
+        num_splits, query if sinks is None else sinks, v_scale, GROUP=group_block, BLOCK_N=config["block_n"],
         BLOCK_D=args["BLOCK_D"], BLOCK_DV=args["BLOCK_DV"],
         USE_SOFT_CAP=args["USE_SOFT_CAP"], USE_WINDOW=args["USE_WINDOW"], PRECISION=args["PRECISION"],
-        SINGLE_SPLIT=single, USE_SINKS=sinks is not None,
+        SINGLE_SPLIT=single, USE_SINKS=sinks is not None, FP8=args["FP8"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if not single:
@@ -258,19 +269,19 @@ def decode_attention(
 @register("paged_attention", "triton")
 def paged_attention_triton(
     query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-    key=None, value=None, sinks=None,
+    key=None, value=None, sinks=None, k_scale=1.0, v_scale=1.0,
 ):  # fmt: skip
     """key/value: the step's new K/V [T, Hkv, D] (see atom.kernels.paged_attention); the
     prefill kernel reads the new tokens' keys from them instead of the pages.
-    sinks: [Hq] attention-sink logits, or None."""
+    sinks: [Hq] attention-sink logits, or None. k_scale / v_scale: an fp8 cache's scales."""
     if metadata.num_decodes:
         decode_attention(
             query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-            sinks,
+            sinks, k_scale, v_scale,
         )  # fmt: skip
     if metadata.num_seqs > metadata.num_decodes:
         prefill_attention(
             query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-            key, value, sinks,
+            key, value, sinks, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return out

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels.kv_cache import is_fp8_kv_cache
 from atom.kernels.triton.tma import tma_ready, tma_supported, use_scratch_allocator
 
 # Launch parameters from H200 sweeps (benchmarks/tune_attention.py; bf16, head dim 128,
@@ -136,13 +137,13 @@ def _prefill_kernel(
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     key_stride_t, key_stride_h, value_stride_t, value_stride_h,
     k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h, bt_stride,
-    scale, soft_cap, window, group, seq_offset, sinks_ptr,
+    scale, soft_cap, window, group, seq_offset, sinks_ptr, v_scale,
     HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGE_ROWS: tl.constexpr,
     DENSE_KV: tl.constexpr, HAS_PREFIX: tl.constexpr, USE_TMA: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    USE_SINKS: tl.constexpr,
+    USE_SINKS: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     seq = tl.program_id(1) + seq_offset
@@ -198,6 +199,9 @@ def _prefill_kernel(
                            dims_ok, MASK_D, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_D)  # fmt: skip
             v = _page_rows(v_pages, table_row, start, paged_end, v_stride_b, v_stride_s, vdims,
                            vdims_ok, MASK_DV, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_DV)  # fmt: skip
+            if FP8:  # widens exactly; k_scale is inside `scale`, v_scale applied at the end
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             m_i, l_i, acc = _fold(q, k, v, m_i, l_i, acc, start + tl.arange(0, BLOCK_N), last,
                                   first, start >= full_end, scale, soft_cap, USE_SOFT_CAP,
                                   USE_WINDOW, PRECISION)  # fmt: skip
@@ -231,6 +235,8 @@ def _prefill_kernel(
                                   first, start >= full_end, scale, soft_cap, USE_SOFT_CAP,
                                   USE_WINDOW, PRECISION)  # fmt: skip
 
+    if FP8:
+        acc = acc * v_scale
     acc = acc / l_i[:, None]  # every valid row sees at least its own key
     o_ptrs = out_ptr + rows[:, None] * o_stride_t + head * o_stride_h + vdims[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & vdims_ok[None, :])
@@ -271,19 +277,21 @@ def _use_tma(config: dict, query, key, value, v_head_dim: int) -> bool:
 
 def prefill_attention(
     query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-    key=None, value=None, sinks=None, config=None,
+    key=None, value=None, sinks=None, config=None, k_scale=1.0, v_scale=1.0,
 ):  # fmt: skip
     """The prefill sequences of the batch (those after its decodes) into `out`.
 
     key/value [T, Hkv, D|Dv]: the step's new tokens' K/V (already written to the cache,
     i.e. rotated), row t for query row t; without them every key is read from the pages.
+    An fp8 cache (scales k_scale, v_scale) holds them quantized: they are not used then.
     sinks [Hq]: attention-sink logits, or None.
     config: launch parameters (pick_config's by default).
     """
     num_prefills = metadata.num_seqs - metadata.num_decodes
     head_dim, v_head_dim = query.shape[2], value_cache.shape[3]
     config = config or pick_config(query, head_dim, metadata.max_query_len)
-    dense = key is not None
+    fp8 = is_fp8_kv_cache(key_cache)
+    dense = key is not None and not fp8
     use_tma = dense and _use_tma(config, query, key, value, v_head_dim)
     if use_tma and query.is_cuda:
         use_scratch_allocator()
@@ -300,8 +308,9 @@ def prefill_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         metadata.block_table.stride(0),
-        scale, logits_soft_cap or 0.0, sliding_window or 0, query.shape[1] // key_cache.shape[2],
-        metadata.num_decodes, query if sinks is None else sinks,
+        scale * k_scale if fp8 else scale, logits_soft_cap or 0.0, sliding_window or 0,
+        query.shape[1] // key_cache.shape[2],
+        metadata.num_decodes, query if sinks is None else sinks, v_scale,
         HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
@@ -310,6 +319,6 @@ def prefill_attention(
         DENSE_KV=dense, HAS_PREFIX=not dense or metadata.prefills_have_context, USE_TMA=use_tma,
         USE_SOFT_CAP=bool(logits_soft_cap), USE_WINDOW=bool(sliding_window),
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", USE_SINKS=sinks is not None,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        FP8=fp8, num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return out
