@@ -41,6 +41,13 @@ def _shard_rows(param: nn.Parameter, loaded: torch.Tensor, dim: int, offset: int
     return loaded.narrow(dim, start, length)
 
 
+def copy_shard(param: nn.Parameter, loaded: torch.Tensor, index: int) -> None:
+    """Copies shard `index` of `loaded` along dim 0, as long as `param`: a rank's slice of
+    a per-head or per-feature vector (attention sinks, a norm over sharded features)."""
+    size = param.shape[0]
+    copy_weight(param, _shard_rows(param, loaded, 0, index * size, size))
+
+
 class LinearBase(nn.Module):
     def __init__(
         self,

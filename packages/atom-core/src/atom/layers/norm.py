@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import nn
 
 from atom.distributed import get_tp_group
 from atom.kernels import fused_add_rms_norm, rms_norm
+from atom.layers.linear import copy_shard
 from atom.layers.quantization import set_weight_attrs
 
 
@@ -34,13 +36,8 @@ class ShardedRMSNorm(nn.Module):
     def __init__(self, shard_size: int, shard_index: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.shard_index = shard_index
         self.weight = nn.Parameter(torch.ones(shard_size), requires_grad=False)
-        set_weight_attrs(self.weight, weight_loader=self.weight_loader)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        size = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.shard_index * size, size))
+        set_weight_attrs(self.weight, weight_loader=partial(copy_shard, index=shard_index))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sharded_rms_norm([x], [self])[0]

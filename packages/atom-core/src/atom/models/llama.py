@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -14,7 +15,12 @@ from atom.layers.activation import SiluAndMul
 from atom.layers.attention import Attention
 from atom.layers.attention_spec import QKRope
 from atom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from atom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from atom.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    copy_shard,
+)
 from atom.layers.norm import RMSNorm
 from atom.layers.quantization import QuantizationConfig, set_weight_attrs
 from atom.layers.rotary import get_rope
@@ -107,7 +113,8 @@ class LlamaAttention(nn.Module):
             self.sinks = nn.Parameter(
                 torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False
             )
-            set_weight_attrs(self.sinks, weight_loader=self._load_rank_heads)
+            rank = get_tp_group().rank
+            set_weight_attrs(self.sinks, weight_loader=partial(copy_shard, index=rank))
         # The attention layer applies the norms and rotary, fused with its KV-cache write
         # where its impl can.
         self.attn = Attention(
@@ -124,10 +131,6 @@ class LlamaAttention(nn.Module):
             ),
             sinks=self.sinks,
         )
-
-    def _load_rank_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        rank = get_tp_group().rank
-        param.data.copy_(loaded.narrow(0, rank * self.num_heads, self.num_heads))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _NOT_QUANTIZED = [
     "model.layers.*.self_attn",
     "model.layers.*.mlp.router",
@@ -20,7 +19,9 @@ def quantize_mxfp4(linear):
     shared exponent puts each group's largest value at or below e2m1's 6.0)."""
     import torch
 
-    codes_by_value = torch.tensor(_E2M1_MAGNITUDES)
+    from atom.layers.quantization.mxfp4 import E2M1_MAGNITUDES
+
+    codes_by_value = torch.tensor(E2M1_MAGNITUDES)
     groups = linear.float().unflatten(-1, (-1, 32))
     amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
     exponent = torch.ceil(torch.log2(amax / 6.0))

@@ -17,8 +17,8 @@ from atom.layers.quantization.unquantized import UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
 
-# e2m1 code -> value: sign bit, then 2 exponent bits and 1 mantissa bit.
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# e2m1 code -> magnitude (codes 8-15: the same, negative): 2 exponent bits, 1 mantissa bit.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E8M0_BIAS = 127
 
 
@@ -32,7 +32,7 @@ def dequantize_mxfp4(
             f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
             "pair up (blocks [..., G, 16], scales [..., G])"
         )
-    magnitudes = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=blocks.device)
     values = torch.cat([magnitudes, -magnitudes])
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()
     exponents = scales.to(torch.int32) - _E8M0_BIAS
