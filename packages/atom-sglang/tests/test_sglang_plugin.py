@@ -12,6 +12,7 @@ import pytest
 import torch
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models.registry import ModelRegistry
@@ -336,6 +337,8 @@ def test_adapters_declare_pool_and_attention_kind():
 class FakePool:
     """SGLang's pool interface over flat [slots, H, D] tensors (slot 0 = padding)."""
 
+    dtype = torch.float32
+
     def __init__(self, slots, heads, dim, v_dim, page_size, mla_latent=None):
         self.page_size = page_size
         if mla_latent is not None:
@@ -393,7 +396,7 @@ def layer(hq, hkv, d, dv, window=-1, cap=0.0, layer_id=0):
     return SimpleNamespace(
         layer_id=layer_id, tp_q_head_num=hq, tp_k_head_num=hkv, tp_v_head_num=hkv, qk_head_dim=d,
         v_head_dim=dv, scaling=d**-0.5, sliding_window_size=window, logit_cap=cap,
-        logit_capping_method="tanh",
+        logit_capping_method="tanh", k_scale_float=None, v_scale_float=None,
     )  # fmt: skip
 
 
@@ -447,6 +450,53 @@ def test_mha_backend_matches_dense_attention(page_size, prefix_lens, new_lens, w
     torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool.k[batch.out_cache_loc], k_new)  # the KV write
     assert backend.num_calls == 1
+
+
+@pytest.mark.parametrize("prefix_lens,new_lens", [([0, 5, 17], [7, 3, 1]), ([9, 30], [1, 1])])
+def test_mha_backend_reads_an_fp8_pool_with_layer_scales(prefix_lens, new_lens):
+    """SGLang's fp8_e4m3 pool (uint8 storage) holds x / scale with the layer's
+    k_scale_float / v_scale_float: attention equals dense attention over the dequantized
+    K/V, and the new tokens' K/V land quantized in their slots."""
+    torch.manual_seed(0)
+    hq, hkv, d = 4, 2, 32
+    k_scale, v_scale = 0.05, 0.02
+    req_to_token, batch = make_batch(prefix_lens, new_lens, 1, 256)
+    pool = MHATokenToKVPool(256, 1, torch.float8_e4m3fn, hkv, d, 1, "cpu", False)
+    backend = make_backend(req_to_token, pool, 1)
+    hist = history(prefix_lens, new_lens, hkv, d, d)
+
+    def fp8(x, scale):
+        return (x / scale).to(torch.float8_e4m3fn)
+
+    stored = [
+        (fp8(k, k_scale).view(torch.uint8), fp8(v, v_scale).view(torch.uint8)) for k, v in hist
+    ]
+    fill_prefixes(pool.k_buffer[0], pool.v_buffer[0], req_to_token, batch, stored, prefix_lens)
+    k_new = torch.cat([k[p:] for (k, _), p in zip(hist, prefix_lens)])
+    v_new = torch.cat([v[p:] for (_, v), p in zip(hist, prefix_lens)])
+    q = torch.randn(sum(new_lens), hq, d)
+    attn = layer(hq, hkv, d, d)
+    attn.k_scale_float, attn.v_scale_float = k_scale, v_scale
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q.flatten(1), k_new.flatten(1), v_new.flatten(1), attn, batch)
+    read = [(fp8(k, k_scale).float() * k_scale, fp8(v, v_scale).float() * v_scale) for k, v in hist]
+    want = reference(q, read, prefix_lens, new_lens, d**-0.5)
+    torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-5)
+    written = pool.k_buffer[0][batch.out_cache_loc]
+    assert torch.equal(written, fp8(k_new, k_scale).view(torch.uint8))
+
+
+def test_backend_refuses_pools_its_kernels_cannot_read():
+    req_to_token, _ = make_batch([0], [4], 1, 64)
+    e5m2 = MHATokenToKVPool(64, 1, torch.float8_e5m2, 2, 32, 1, "cpu", False)
+    with pytest.raises(
+        NotImplementedError, match="float8_e5m2 KV cache; use --kv-cache-dtype fp8_e4m3"
+    ):
+        make_backend(req_to_token, e5m2, 1)
+    latent = FakePool(64, 1, 48, 48, 1, mla_latent=32)
+    latent.dtype = torch.float8_e4m3fn
+    with pytest.raises(NotImplementedError, match="no fp8 MLA"):
+        make_backend(req_to_token, latent, 1)
 
 
 @pytest.mark.parametrize("prefix_lens,new_lens", [([0, 5, 17], [7, 3, 1]), ([9, 30], [1, 1])])

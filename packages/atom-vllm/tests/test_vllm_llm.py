@@ -24,8 +24,10 @@ import os
 import pytest
 from vllm_harness import BLOCK_SIZE, ENGINE, PREFIX_BLOCKS, Job, result_of, rounds, run_jobs
 
+from atom import LLM, SamplingParams
 from atom.registry import get_entry
 from atom.testing import hf_greedy
+from atom.testing.kv_scales import K_SCALE, V_SCALE, write_with_kv_scales
 from atom.testing.mxfp4 import write_mxfp4_pair
 from atom_vllm import served_architectures
 
@@ -57,7 +59,16 @@ def needs(arch: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoints, tmp_path_factory):
+def fp8_checkpoint(checkpoints, tmp_path_factory):
+    """Qwen3 with per-layer KV-cache scales (layer 0 under vLLM's names, layer 1 under
+    compressed-tensors')."""
+    return write_with_kv_scales(
+        checkpoints("Qwen3ForCausalLM"), tmp_path_factory.mktemp("qwen3-kv-scales")
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, fp8_checkpoint, tmp_path_factory):
     jobs = []
     for i, arch in enumerate(ARCHS):
         model = checkpoints(arch)
@@ -94,6 +105,9 @@ def runs(checkpoints, tmp_path_factory):
         bf16 = {**ENGINE, "model_impl": "atom", "dtype": "bfloat16"}
         jobs.append(Job("GptOss-mxfp4", mxfp4, bf16, rounds(11), probe=False))
         jobs.append(Job("GptOss-mxfp4-reference", reference, bf16, rounds(11), probe=False))
+    if "Qwen3ForCausalLM" in ARCHS:
+        fp8 = {**ENGINE, "model_impl": "atom", "kv_cache_dtype": "fp8"}
+        jobs.append(Job("Qwen3-fp8-kv", fp8_checkpoint, fp8, rounds(12)))
     return run_jobs(jobs, tmp_path_factory.mktemp("vllm-llm"))
 
 
@@ -195,6 +209,33 @@ def test_gpt_oss_mxfp4_checkpoint_serves_as_its_dequantized_experts(runs):
     for name in ("batch", "prefix_warm", "prefix_reuse"):
         assert tokens(mxfp4, name) == tokens(reference, name), name
     assert "MXFP4 experts are dequantized to the model dtype at load" in mxfp4.log
+
+
+def test_fp8_kv_cache_gives_the_native_engine_fp8_tokens(runs, fp8_checkpoint):
+    """kv_cache_dtype="fp8" under vLLM: ATOM's kernels read vLLM's uint8 cache as
+    float8_e4m3fn with the checkpoint's scales, exactly as ATOM's native engine does (whose
+    fp8 cache tests/engine/test_fp8_kv_cache.py holds against the model-dtype cache)."""
+    needs("Qwen3ForCausalLM")
+    result = result_of(runs, "Qwen3-fp8-kv")
+    (probe,) = result.probe
+    layers = probe["attention"]
+    assert [layer["kv_cache_dtype"] for layer in layers] == ["fp8", "fp8"]
+    assert all(layer["calls"] > 0 for layer in layers)
+    for layer in layers:  # fp32 in the checkpoint
+        assert layer["kv_scales"] == pytest.approx([K_SCALE, V_SCALE])
+    native = LLM(
+        str(fp8_checkpoint),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        kv_cache_dtype="fp8",
+        kv_cache_memory_bytes=ENGINE["kv_cache_memory_bytes"],
+        skip_tokenizer_init=True,
+    )
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for spec in rounds(12):
+        outputs = native.generate(spec["prompts"], params, use_tqdm=False)
+        want = [list(o.outputs[0].token_ids) for o in outputs]
+        assert tokens(result, spec["name"]) == want, spec["name"]
 
 
 def test_unsupported_architecture_runs_with_vllm_class(runs):

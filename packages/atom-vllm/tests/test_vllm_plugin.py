@@ -231,7 +231,8 @@ def test_backend_declares_capabilities():
     assert b.supports_block_size(16) and b.supports_block_size(1)
     assert b.supports_sliding_window() and b.supports_sink() and not b.is_mla()
     assert b.supports_dtype(torch.float32) and b.supports_dtype(torch.bfloat16)
-    assert not b.supports_kv_cache_dtype("fp8")
+    assert b.supports_kv_cache_dtype("fp8") and b.supports_kv_cache_dtype("fp8_e4m3")
+    assert not b.supports_kv_cache_dtype("fp8_e5m2")
     assert AtomAttentionMetadataBuilder.reorder_batch_threshold == 1
     assert (
         AtomAttentionMetadataBuilder._cudagraph_support
@@ -348,9 +349,47 @@ def test_impl_rotates_with_the_positions_of_its_metadata():
         run(fused, q, k)
 
 
+def test_impl_reads_an_fp8_cache_with_its_scales():
+    """vLLM allocates an fp8 cache as uint8: the impl writes and reads it as float8_e4m3fn
+    holding x / scale, so attention equals dense attention over the dequantized K/V."""
+    torch.manual_seed(0)
+    hq, hkv, d, bs, nb = 4, 2, 32, 4, 64
+    k_scale, v_scale = 0.05, 0.02
+    context, query = [7, 20, 0], [1, 1, 6]
+    cm = _step(query, context, bs, nb)
+    kv_cache = torch.zeros(nb, bs, hkv, 2 * d, dtype=torch.uint8).transpose(1, 2)
+    fp8 = kv_cache.view(torch.float8_e4m3fn)
+
+    def fp8_round_trip(x, scale):
+        return (x / scale).to(torch.float8_e4m3fn).float() * scale
+
+    history = []
+    for i, c in enumerate(context):
+        k, v = torch.randn(c + query[i], hkv, d), torch.randn(c + query[i], hkv, d)
+        history.append((k, v))
+        for p in range(c):
+            page = int(cm.block_table_tensor[i, p // bs])
+            row = torch.cat([k[p] / k_scale, v[p] / v_scale], dim=-1)
+            fp8[page, :, p % bs] = row.to(torch.float8_e4m3fn)
+    q = torch.randn(sum(query), hq, d)
+    k_new = torch.cat([k[c:] for (k, _), c in zip(history, context)])
+    v_new = torch.cat([v[c:] for (_, v), c in zip(history, context)])
+    impl = AtomAttentionImpl(hq, d, d**-0.5, hkv, None, None, "fp8")
+    impl.k_scale, impl.v_scale = k_scale, v_scale
+    out = torch.empty(sum(query), hq, d)
+    impl.forward(None, q, k_new, v_new, kv_cache, to_atom_metadata(cm), out)
+    start = 0
+    for (k, v), c, n in zip(history, context, query):
+        mask = attention_mask(torch.arange(c, c + n), c + n, None)
+        k_read, v_read = fp8_round_trip(k, k_scale), fp8_round_trip(v, v_scale)
+        want = dense_attention(q[start : start + n], k_read, v_read, mask, d**-0.5, None)
+        torch.testing.assert_close(out[start : start + n], want, rtol=1e-5, atol=1e-5)
+        start += n
+
+
 def test_impl_rejects_what_it_cannot_do():
-    with pytest.raises(NotImplementedError, match="fp8"):
-        AtomAttentionImpl(4, 32, 0.1, 2, None, None, "fp8")
+    with pytest.raises(NotImplementedError, match="fp8_e5m2.*supported: .*fp8_e4m3"):
+        AtomAttentionImpl(4, 32, 0.1, 2, None, None, "fp8_e5m2")
     with pytest.raises(NotImplementedError, match="ALiBi"):
         AtomAttentionImpl(4, 32, 0.1, 2, [0.1] * 4, None, "auto")
 

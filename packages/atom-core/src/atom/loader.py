@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -11,7 +12,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from atom.layers.paged_attention_impl import NativeAttentionImpl
+from atom.layers.attention_spec import AttentionSpec
+
+logger = logging.getLogger(__name__)
 
 # (ATOM parameter fragment, checkpoint fragment, shard id)
 StackedMapping = list[tuple[str, str, object]]
@@ -137,9 +140,18 @@ KV_SCALE_SUFFIXES = (
 def take_kv_scales(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Sets the KV-cache scales of the model's native attention layers from the checkpoint
-    tensors that carry them; yields every other tensor."""
-    layers = {m.spec.layer_name: m for m in model.modules() if isinstance(m, NativeAttentionImpl)}
+    """Sets the KV-cache scales of the model's attention impls from the checkpoint tensors
+    that carry them; yields every other tensor.
+
+    An impl takes scales when it has `k_scale` / `v_scale` attributes next to its
+    `spec`: ATOM's native impl, and the plugins' layers, whose setters hand the values
+    to the host's attention layer."""
+    layers = {
+        m.spec.layer_name: m
+        for m in model.modules()
+        if isinstance(getattr(m, "spec", None), AttentionSpec) and hasattr(m, "k_scale")
+    }
+    scaled: set[str] = set()
     for name, tensor in weights:
         target = _kv_scale_target(name, layers)
         if target is None:
@@ -152,6 +164,11 @@ def take_kv_scales(
                 "(one value) are supported"
             )
         setattr(layer, attribute, float(tensor))
+        scaled.add(layer.spec.layer_name)
+    if scaled:
+        logger.info(
+            "KV-cache scales from the checkpoint for %d of %d layers", len(scaled), len(layers)
+        )
 
 
 def _kv_scale_target(name: str, layers: dict[str, nn.Module]) -> tuple[nn.Module, str] | None:

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from atom import LLM
 from atom.cli import add_engine_args, engine_kwargs
@@ -19,6 +17,7 @@ from atom.engine.model_runner import check_fp8_kv_cache
 from atom.engine.step_arrays import StepInput
 from atom.kernels.policy import selected_backend
 from atom.layers.paged_attention_impl import NativeAttentionImpl
+from atom.testing.kv_scales import K_SCALE, V_SCALE, write_with_kv_scales
 from tests.models.harness import make_prompts, write_checkpoint
 from tests.models.test_deepseek import v2_config
 from tests.models.test_llama import qwen3_config
@@ -29,7 +28,6 @@ KV_BYTES = 1 << 20
 # 2026-11-25); the bound, 15%, still catches a lost or wrong scale (with scales that
 # saturate V the logits moved by ~90%).
 LOGITS_RTOL = 0.15
-K_SCALE, V_SCALE = 0.03, 0.02
 # GPU (Triton) against CPU (torch reference), both fp8: the same quantized cache up to rare
 # one-step rounding flips where fp32 K/V differ in the last bit.
 GPU_RTOL = 1e-2
@@ -42,17 +40,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def scaled_checkpoint(checkpoint, tmp_path_factory):
-    """The same weights with KV scales: layer 0 under vLLM's names, layer 1 under
-    compressed-tensors' output-scale names."""
-    folder = tmp_path_factory.mktemp("qwen3-kv-scales")
-    shutil.copytree(checkpoint, folder, dirs_exist_ok=True)
-    tensors = load_file(folder / "model.safetensors")
-    tensors["model.layers.0.self_attn.attn.k_scale"] = torch.tensor(K_SCALE)
-    tensors["model.layers.0.self_attn.attn.v_scale"] = torch.tensor(V_SCALE)
-    tensors["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([K_SCALE])
-    tensors["model.layers.1.self_attn.v_proj.output_scale"] = torch.tensor([V_SCALE])
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
+    return write_with_kv_scales(checkpoint, tmp_path_factory.mktemp("qwen3-kv-scales"))
 
 
 def engine(folder, **kwargs) -> LLM:

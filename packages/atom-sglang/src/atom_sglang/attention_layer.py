@@ -78,6 +78,24 @@ class SglangAttention(nn.Module):
             prefix=spec.layer_name,
         )
 
+    # A checkpoint's fp8 KV-cache scales (atom.loader.take_kv_scales) go where SGLang's
+    # backends read them, its RadixAttention's `k_scale_float` / `v_scale_float`.
+    @property
+    def k_scale(self) -> float:
+        return self.attn.k_scale_float or 1.0
+
+    @k_scale.setter
+    def k_scale(self, value: float) -> None:
+        self.attn.k_scale_float = value
+
+    @property
+    def v_scale(self) -> float:
+        return self.attn.v_scale_float or 1.0
+
+    @v_scale.setter
+    def v_scale(self, value: float) -> None:
+        self.attn.v_scale_float = value
+
     def forward(
         self,
         q: torch.Tensor,

@@ -23,6 +23,11 @@ policy picks torch on CPU, Triton on GPU), over the pool viewed as pages:
   gets a second metadata, `swa_forward_metadata`, with the block table and slot mapping
   translated once; every layer that `layers_mapping` marks sliding attends with it.
 
+An fp8 pool (`--kv-cache-dtype fp8_e4m3`, stored as uint8, read as float8_e4m3fn) is
+ATOM's fp8 cache: the kernels quantize on write and dequantize on read with each layer's
+per-tensor `k_scale_float` / `v_scale_float` (SGLang's names on `RadixAttention`; None
+is 1.0), for MHA pools only.
+
 CUDA graphs (decode): `init_cuda_graph_state` allocates static metadata buffers (with a
 hybrid SWA pool, translated copies of the block table and slot mapping too);
 `init_forward_metadata_out_graph` refills them from the (padded) batch before capture
@@ -49,6 +54,7 @@ from atom.hosts.token_table import (
     paged_view,
 )
 from atom.kernels import mla_decode_attention, paged_attention, write_mla_cache
+from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE, fp8_kv_cache_unsupported
 from atom.kernels.policy import selected_backend
 from atom.layers.mla_impl import NativeMLAImpl
 from atom.layers.paged_attention_impl import write_kv_and_attend
@@ -101,6 +107,23 @@ def sub_pools(pool: Any) -> tuple[Any, ...]:
     return (pool.full_kv_pool, pool.swa_kv_pool) if isinstance(pool, SWAKVPool) else (pool,)
 
 
+def check_pool_dtype(dtype: torch.dtype, is_mla: bool, device: torch.device) -> None:
+    """Raises where ATOM's kernels cannot read a pool of `dtype`."""
+    if not dtype.is_floating_point or dtype.itemsize > 1:
+        return
+    if dtype != FP8_KV_CACHE_DTYPE:
+        raise NotImplementedError(
+            f"ATOM's attention backend has no {dtype} KV cache; use --kv-cache-dtype fp8_e4m3"
+        )
+    if is_mla:
+        raise NotImplementedError(
+            "ATOM's attention backend has no fp8 MLA (latent) cache; use --kv-cache-dtype auto"
+        )
+    problem = fp8_kv_cache_unsupported(device)
+    if problem:
+        raise NotImplementedError(problem)
+
+
 class AtomAttnBackend(AttentionBackend):
     """SGLang `AttentionBackend` running ATOM's schema and kernels."""
 
@@ -120,6 +143,7 @@ class AtomAttnBackend(AttentionBackend):
             raise NotImplementedError("ATOM's attention backend reads the NHD KV layout")
         if any(getattr(p, "is_quantized_kv_cache", False) for p in pools):
             raise NotImplementedError("ATOM's attention backend has no quantized KV cache")
+        check_pool_dtype(pools[0].dtype, self.is_mla, self.device)
         translator = getattr(model_runner, "kv_index_translator", None)
         if translator is not None and translator.is_translating:
             # req_to_token then holds virtual ids, which are no slots of the pool.
@@ -143,10 +167,11 @@ class AtomAttnBackend(AttentionBackend):
             full = sorted(set(self.swa_pool.layers_mapping) - self.swa_layers)
             hybrid = f", hybrid SWA (full layers {full}, sliding layers {sorted(self.swa_layers)})"
         logger.info(
-            "ATOM attention backend: %s pool%s, page size %d, kernels: paged_attention=%s",
+            "ATOM attention backend: %s pool%s, page size %d, KV %s, kernels: paged_attention=%s",
             "MLA" if self.is_mla else "MHA",
             hybrid,
             self.page_size,
+            str(pools[0].dtype).removeprefix("torch."),
             selected_backend("paged_attention", self.device),
         )
 
@@ -294,6 +319,8 @@ class AtomAttnBackend(AttentionBackend):
             "sliding_window": atom_sliding_window(layer.sliding_window_size),
             "logits_soft_cap": layer.logit_cap or None,
             "sinks": sinks,
+            "k_scale": layer.k_scale_float or 1.0,
+            "v_scale": layer.v_scale_float or 1.0,
         }
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         if save_kv_cache and k is not None:

@@ -33,6 +33,7 @@ from atom.forward_context import set_forward_context
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
 from atom.layers.quantization import get_quant_config
+from atom.loader import take_kv_scales
 from atom.registry import ModelEntry, get_entry
 from atom_sglang.adapters import SglangAdapter, adapter_for
 from atom_sglang.attention_layer import (
@@ -162,7 +163,7 @@ class AtomForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads SGLang's checkpoint iterator into the ATOM model; returns loaded names."""
-        loaded = self.model.load_weights(weights)
+        loaded = self.model.load_weights(take_kv_scales(self.model, weights))
         return {f"{ATOM_MODEL_ATTR}.{name}" for name in loaded}
 
 

@@ -73,6 +73,24 @@ class VllmAttention(nn.Module):
             self.attn.sliding_window = None
             self.attn.impl.sliding_window = None
 
+    # The per-tensor fp8 KV-cache scales live on ATOM's impl: vLLM resets its own layer's
+    # scales after loading when the checkpoint has no quantization config.
+    @property
+    def k_scale(self) -> float:
+        return self.attn.impl.k_scale
+
+    @k_scale.setter
+    def k_scale(self, value: float) -> None:
+        self.attn.impl.k_scale = value
+
+    @property
+    def v_scale(self) -> float:
+        return self.attn.impl.v_scale
+
+    @v_scale.setter
+    def v_scale(self, value: float) -> None:
+        self.attn.impl.v_scale = value
+
     def forward(
         self,
         q: torch.Tensor,

@@ -40,11 +40,15 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from atom.forward_context import AttentionMetadata
+from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE, fp8_kv_cache_unsupported
 from atom.layers.attention_spec import QKRope
 from atom.layers.paged_attention_impl import write_kv_and_attend
 
 BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member register() overrides
-PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp16", "bf16")
+# vLLM's names of the float8_e4m3fn cache ATOM's MHA kernels read (atom.kernels.kv_cache);
+# vLLM allocates it as uint8.
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 class AtomBackendCapabilities(AttentionBackend):
@@ -87,6 +91,12 @@ class AtomAttentionBackend(AtomBackendCapabilities):
     def get_builder_cls() -> type[AtomAttentionMetadataBuilder]:
         return AtomAttentionMetadataBuilder
 
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", *FP8_CACHE_DTYPES]
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        return super().supports_kv_cache_dtype(kv_cache_dtype) or kv_cache_dtype in FP8_CACHE_DTYPES
+
     @classmethod
     def supports_sliding_window(cls) -> bool:
         return True
@@ -98,6 +108,12 @@ class AtomAttentionBackend(AtomBackendCapabilities):
     @staticmethod
     def use_cascade_attention(*args, **kwargs) -> bool:
         return False
+
+
+def current_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def key_value_caches(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,6 +174,10 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
     norm + rotary (`qk_rope`, an extra impl argument of vLLM's `Attention`), q and k
     arrive raw and are rotated, with the step metadata's `positions`, in the same kernel
     that writes the cache.
+
+    With an fp8 cache (`kv_cache_dtype` "fp8"/"fp8_e4m3") the kernels quantize on write
+    and dequantize on read with the layer's per-tensor `k_scale` / `v_scale`: 1.0, or the
+    checkpoint's, which `atom.loader.take_kv_scales` hands over through `VllmAttention`.
     """
 
     def __init__(
@@ -183,8 +203,15 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
             unsupported.append(f"attention type {attn_type}")
         if kv_sharing_target_layer_name is not None:
             unsupported.append("KV sharing between layers")
-        if kv_cache_dtype not in PLAIN_CACHE_DTYPES:
-            unsupported.append(f"kv_cache_dtype={kv_cache_dtype!r}")
+        if kv_cache_dtype not in PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES:
+            unsupported.append(
+                f"kv_cache_dtype={kv_cache_dtype!r} (supported: "
+                f"{', '.join(PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES)})"
+            )
+        elif kv_cache_dtype in FP8_CACHE_DTYPES:
+            problem = fp8_kv_cache_unsupported(current_device())
+            if problem:
+                unsupported.append(problem)
         if unsupported:
             raise NotImplementedError(
                 "ATOM's attention backend does not support " + ", ".join(unsupported)
@@ -201,6 +228,9 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
         self.num_calls = 0  # for tests and logs: proof that this impl ran
         self.qk_rope = qk_rope
         self.sinks = sinks
+        self.fp8_cache = kv_cache_dtype in FP8_CACHE_DTYPES
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -223,6 +253,8 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
         if attn_metadata is None:  # profiling / dummy run: no cache, no metadata
             return output
         self.num_calls += 1
+        if self.fp8_cache:
+            kv_cache = kv_cache.view(FP8_KV_CACHE_DTYPE)
         key_cache, value_cache = key_value_caches(kv_cache, self.head_size)
         return write_kv_and_attend(
             query,
@@ -238,6 +270,8 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
             qk_rope=self.qk_rope,
             positions=self._positions(attn_metadata),
             out=output,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def _positions(self, metadata: AttentionMetadata) -> torch.Tensor | None:

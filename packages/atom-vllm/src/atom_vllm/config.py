@@ -17,6 +17,7 @@ import torch
 
 from atom.layers.quantization import QuantizationConfig, get_quant_config
 from atom.registry import ModelEntry, get_entry
+from atom_vllm.backend import FP8_CACHE_DTYPES, PLAIN_CACHE_DTYPES
 
 # vLLM's own names for the checkpoint quantization formats ATOM loads itself.
 _ATOM_QUANT_METHODS = {"fp8", "compressed-tensors", "gpt_oss_mxfp4"}
@@ -72,8 +73,12 @@ def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
     if quantization is not None and quant_config is None:
         raise unsupported(f"online quantization ({quantization!r} on an unquantized checkpoint)")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype not in ("auto", "float16", "bfloat16", "float32", "fp16", "bf16"):
-        raise unsupported(f"kv_cache_dtype={cache_dtype!r}")
+    if cache_dtype not in PLAIN_CACHE_DTYPES + (
+        FP8_CACHE_DTYPES if entry.attention == "MHA" else ()
+    ):
+        # An fp8 cache is supported for MHA models only (no fp8 latent-cache kernels yet).
+        kind = f" with {entry.attention} attention" if cache_dtype in FP8_CACHE_DTYPES else ""
+        raise unsupported(f"kv_cache_dtype={cache_dtype!r}{kind}")
 
     return AtomRunConfig(
         entry=entry,

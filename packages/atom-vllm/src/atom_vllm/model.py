@@ -31,7 +31,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from atom.cuda_graphs import graph_blockers
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
-from atom.loader import process_weights_after_loading
+from atom.loader import process_weights_after_loading, take_kv_scales
 from atom.registry import UnsupportedArchitectureError
 from atom_vllm.attention_layer import vllm_attention_factory
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
@@ -137,7 +137,7 @@ class AtomForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads vLLM's checkpoint iterator into the ATOM model; returns loaded names."""
-        loaded = self.model.load_weights(weights)
+        loaded = self.model.load_weights(take_kv_scales(self.model, weights))
         self._process_atom_weights()
         return {f"{ATOM_MODEL_ATTR}.{name}" for name in loaded}
 

@@ -3,8 +3,9 @@
 Runs in each worker (vLLM pickles the function by reference, so it must live in an
 importable module; `apply_model` needs VLLM_ALLOW_INSECURE_SERIALIZATION=1). Returns the
 model class, the ATOM model class inside it (None for vLLM's own classes) and, per
-attention layer, its backend, impl, KV-cache shape, sliding window (such layers get
-vLLM's sliding-window KV spec) and how often ATOM's impl ran.
+attention layer, its backend, impl, KV-cache shape and dtype, sliding window (such layers
+get vLLM's sliding-window KV spec), the fp8 KV-cache scales ATOM's impl applies and how
+often it ran.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
                 "impl": type(impl).__name__ if impl is not None else None,
                 "calls": getattr(impl, "num_calls", getattr(module, "num_calls", None)),
                 "kv_cache_shape": list(kv_cache.shape) if hasattr(kv_cache, "shape") else None,
+                "kv_cache_dtype": getattr(module, "kv_cache_dtype", None),
+                "kv_scales": [getattr(impl, "k_scale", None), getattr(impl, "v_scale", None)],
                 "sliding_window": getattr(module, "sliding_window", None),
             }
         )

@@ -19,6 +19,20 @@ def is_fp8_kv_cache(cache: torch.Tensor) -> bool:
     return cache.dtype == FP8_KV_CACHE_DTYPE
 
 
+def fp8_kv_cache_unsupported(device: torch.device) -> str | None:
+    """Why `device` cannot run an fp8 KV cache, or None where it can (the CPU's torch
+    reference, NVIDIA GPUs of compute capability 8.9 or newer)."""
+    if device.type != "cuda":
+        return None
+    if torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9):
+        return None
+    return (
+        "kv_cache_dtype='fp8' (float8_e4m3fn) needs an NVIDIA GPU of compute capability "
+        f"8.9 or newer (or the CPU); {torch.cuda.get_device_name(device)} has no such "
+        "kernels here"
+    )
+
+
 def quantize_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
     """x as a cache of `cache_dtype` stores it: x / scale saturated to ±448 for fp8."""
     if cache_dtype != FP8_KV_CACHE_DTYPE:
