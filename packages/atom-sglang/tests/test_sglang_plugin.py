@@ -12,7 +12,7 @@ import pytest
 import torch
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models.registry import ModelRegistry
@@ -493,10 +493,6 @@ def test_backend_refuses_pools_its_kernels_cannot_read():
         NotImplementedError, match="float8_e5m2 KV cache; use --kv-cache-dtype fp8_e4m3"
     ):
         make_backend(req_to_token, e5m2, 1)
-    latent = FakePool(64, 1, 48, 48, 1, mla_latent=32)
-    latent.dtype = torch.float8_e4m3fn
-    with pytest.raises(NotImplementedError, match="no fp8 MLA"):
-        make_backend(req_to_token, latent, 1)
 
 
 @pytest.mark.parametrize("prefix_lens,new_lens", [([0, 5, 17], [7, 3, 1]), ([9, 30], [1, 1])])
@@ -692,6 +688,33 @@ def test_mla_backend_matches_latent_mqa(prefix_lens, new_lens):
     want = reference(q, hist, prefix_lens, new_lens, (latent + rope) ** -0.5)
     torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool.kv[batch.out_cache_loc], k_new)
+
+
+@pytest.mark.parametrize("prefix_lens,new_lens", [([0, 5, 17], [7, 3, 1]), ([9, 30], [1, 1])])
+def test_mla_backend_reads_an_fp8_latent_pool(prefix_lens, new_lens):
+    """SGLang's MLA pool in fp8_e4m3 (uint8 storage) with the layer's k_scale_float:
+    absorbed MLA over the dequantized latent rows."""
+    torch.manual_seed(2)
+    h, latent, rope, kv_scale = 4, 64, 16, 0.05
+    req_to_token, batch = make_batch(prefix_lens, new_lens, 1, 256)
+    pool = MLATokenToKVPool(256, 1, torch.float8_e4m3fn, latent, rope, 1, "cpu", False)
+    backend = make_backend(req_to_token, pool, 1)
+    rows = [torch.randn(p + n, 1, latent + rope) for p, n in zip(prefix_lens, new_lens)]
+    stored = [((r / kv_scale).to(torch.float8_e4m3fn).view(torch.uint8), None) for r in rows]
+    fill_prefixes(pool.kv_buffer[0], None, req_to_token, batch, stored, prefix_lens)
+    k_new = torch.cat([r[p:] for r, p in zip(rows, prefix_lens)])
+    q = torch.randn(sum(new_lens), h, latent + rope)
+    mla_layer = layer(h, 1, latent + rope, latent)
+    mla_layer.k_scale_float = kv_scale
+    backend.init_forward_metadata(batch)
+    out = backend.forward(
+        q.flatten(1), k_new.flatten(1), k_new[..., :latent].flatten(1), mla_layer, batch
+    )
+    read = [(r / kv_scale).to(torch.float8_e4m3fn).float() * kv_scale for r in rows]
+    want = reference(
+        q, [(r, r[..., :latent]) for r in read], prefix_lens, new_lens, (latent + rope) ** -0.5
+    )
+    torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture

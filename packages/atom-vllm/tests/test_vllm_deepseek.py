@@ -15,8 +15,10 @@ from __future__ import annotations
 import pytest
 from vllm_harness import BLOCK_SIZE, ENGINE, PREFIX_BLOCKS, Job, result_of, rounds, run_jobs
 
+from atom import LLM, SamplingParams
 from atom.registry import get_entry
 from atom.testing import hf_greedy
+from atom.testing.kv_scales import K_SCALE, write_with_kv_scales
 from atom_vllm import served_architectures
 
 pytestmark = pytest.mark.slow
@@ -28,14 +30,58 @@ CASES = {
 SERVED = set(served_architectures())
 
 
+FP8_ROUNDS = 21
+
+
 @pytest.fixture(scope="module")
-def runs(checkpoints, tmp_path_factory):
+def fp8_checkpoint(checkpoints, tmp_path_factory):
+    """DeepSeek-V3 with per-layer KV-cache scales (atom.testing.kv_scales)."""
+    return write_with_kv_scales(
+        checkpoints("DeepseekV3ForCausalLM"), tmp_path_factory.mktemp("v3-kv-scales")
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, fp8_checkpoint, tmp_path_factory):
     jobs = [
         Job(f"{arch}-atom", checkpoints(arch), ENGINE, rounds(20 + i), env=env)
         for i, (arch, env) in enumerate(CASES.items())
         if arch in SERVED
     ]
+    if "DeepseekV3ForCausalLM" in SERVED:
+        fp8 = {**ENGINE, "kv_cache_dtype": "fp8"}
+        env = CASES["DeepseekV3ForCausalLM"]
+        jobs.append(Job("V3-fp8-kv", fp8_checkpoint, fp8, rounds(FP8_ROUNDS), env=env))
     return run_jobs(jobs, tmp_path_factory.mktemp("vllm-deepseek"))
+
+
+def test_fp8_latent_cache_gives_the_native_engine_fp8_tokens(runs, fp8_checkpoint):
+    """kv_cache_dtype="fp8" for MLA: ATOM's MLA kernels read vLLM's uint8 latent cache as
+    float8_e4m3fn with the checkpoint's k_scale, exactly as ATOM's native engine does
+    (whose fp8 latent cache tests/engine/test_fp8_kv_cache.py holds against the
+    model-dtype cache); the shared prefix still comes from the prefix cache."""
+    if "DeepseekV3ForCausalLM" not in SERVED:
+        pytest.skip("ATOM's DeepseekV3ForCausalLM is not available")
+    result = result_of(runs, "V3-fp8-kv")
+    (probe,) = result.probe
+    for layer in probe["attention"]:
+        assert layer["kv_cache_dtype"] == "fp8" and layer["calls"] > 0
+        assert layer["kv_scales"][0] == pytest.approx(K_SCALE)
+    native = LLM(
+        str(fp8_checkpoint),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        kv_cache_dtype="fp8",
+        kv_cache_memory_bytes=ENGINE["kv_cache_memory_bytes"],
+        skip_tokenizer_init=True,
+    )
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for spec in rounds(FP8_ROUNDS):
+        outputs = native.generate(spec["prompts"], params, use_tqdm=False)
+        got = [r["token_ids"] for r in result.rounds[spec["name"]]]
+        assert got == [list(o.outputs[0].token_ids) for o in outputs], spec["name"]
+    cached = [r["num_cached_tokens"] for r in result.rounds["prefix_reuse"]]
+    assert cached == [PREFIX_BLOCKS * BLOCK_SIZE] * 3
 
 
 @pytest.mark.parametrize("arch", list(CASES))

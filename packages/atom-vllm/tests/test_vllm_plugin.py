@@ -398,6 +398,7 @@ def test_mla_backend_declares_latent_cache():
     from atom_vllm.backend import AtomMLABackend, AtomMLAMetadataBuilder
 
     assert AtomMLABackend.is_mla() and AtomMLABackend.get_name() == "CUSTOM"
+    assert AtomMLABackend.supports_kv_cache_dtype("fp8")
     assert AtomMLABackend.get_builder_cls() is AtomMLAMetadataBuilder
     assert AtomMLAMetadataBuilder.reorder_batch_threshold == 1
     assert not AtomMLABackend.supports_pcp()  # get_impl_cls: ATOM's impl, not vLLM's

@@ -16,6 +16,7 @@ from atom.config import ConfigError
 from atom.engine.model_runner import check_fp8_kv_cache
 from atom.engine.step_arrays import StepInput
 from atom.kernels.policy import selected_backend
+from atom.layers.mla_impl import NativeMLAImpl
 from atom.layers.paged_attention_impl import NativeAttentionImpl
 from atom.testing.kv_scales import K_SCALE, V_SCALE, write_with_kv_scales
 from tests.models.harness import make_prompts, write_checkpoint
@@ -53,9 +54,9 @@ def prefill_and_decode_logits(llm: LLM, prompt: list[int], decoded: list[int]) -
     runner = llm.engine.executor.runner
     total = len(prompt) + len(decoded)
     table = list(range(-(-total // llm.engine.config.cache.block_size)))
-    logits = [runner.run([StepInput(prompt, 0, table)], all_positions=True)]
+    logits = [runner.run([StepInput(prompt, 0, [table])], all_positions=True)]
     for i, token in enumerate(decoded):
-        logits.append(runner.run([StepInput([token], len(prompt) + i, table)]))
+        logits.append(runner.run([StepInput([token], len(prompt) + i, [table])]))
     return torch.cat(logits)
 
 
@@ -134,10 +135,18 @@ def test_unknown_kv_cache_dtype(checkpoint):
         engine(checkpoint, kv_cache_dtype="int8")
 
 
-def test_fp8_with_mla_model(tmp_path):
+def test_mla_fp8_latent_cache(tmp_path):
+    """DeepSeek-V2's latent cache in fp8: logits close to the model-dtype cache, with the
+    checkpoint's k_scale as the latent rows' scale (layer 0: vLLM's name, layer 1:
+    compressed-tensors')."""
     folder = write_checkpoint(v2_config(), tmp_path / "deepseek", init_std=0.1)
-    with pytest.raises(ConfigError, match=r"kv_cache_dtype='fp8' is not supported for MLA"):
-        engine(folder, kv_cache_dtype="fp8")
+    assert 0 < relative_logits_gap(folder) < LOGITS_RTOL
+    scaled = write_with_kv_scales(folder, tmp_path / "deepseek-kv-scales")
+    llm = engine(scaled, kv_cache_dtype="fp8")
+    impls = [m for m in llm.engine.model.modules() if isinstance(m, NativeMLAImpl)]
+    assert [impl.k_scale for impl in impls] == [pytest.approx(K_SCALE)] * 2
+    assert impls[0].kv_cache.dtype == torch.float8_e4m3fn
+    assert 0 < relative_logits_gap(scaled) < LOGITS_RTOL
 
 
 def test_fp8_on_a_gpu_without_fp8_kernels(checkpoint, monkeypatch):

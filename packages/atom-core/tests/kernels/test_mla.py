@@ -31,8 +31,16 @@ def naive_mla(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, context: int) -> torch.Tenso
 class Batch:
     """Random sequences (context, new tokens) laid out decode-first in a shuffled page pool."""
 
-    def __init__(self, shapes: list[tuple[int, int]], block_size: int, dtype=torch.float32):
+    def __init__(
+        self,
+        shapes: list[tuple[int, int]],
+        block_size: int,
+        dtype=torch.float32,
+        cache_dtype=None,
+        kv_scale: float = 1.0,
+    ):
         gen = torch.Generator().manual_seed(0)
+        self.kv_scale = kv_scale
 
         def rand(*shape):
             return torch.randn(*shape, generator=gen).to(dtype)
@@ -47,7 +55,7 @@ class Batch:
         pages = list(range(num_pages))
         random.Random(0).shuffle(pages)
         self.tables = [[pages.pop() for _ in range(-(-(c + n) // block_size))] for c, n in shapes]
-        self.cache = torch.zeros(num_pages, block_size, LATENT + ROPE, dtype=dtype)
+        self.cache = torch.zeros(num_pages, block_size, LATENT + ROPE, dtype=cache_dtype or dtype)
         self.block_size = block_size
 
     def slot(self, seq: int, pos: int) -> int:
@@ -60,7 +68,9 @@ class Batch:
         """The cached prefixes, as an earlier step would have written them."""
         for i, (c, _) in enumerate(self.shapes):
             slots = torch.tensor([self.slot(i, p) for p in range(c)], dtype=torch.int64)
-            write_mla_cache(self.kv_c[i][:c], self.k_pe[i][:c], self.cache, slots)
+            write_mla_cache(
+                self.kv_c[i][:c], self.k_pe[i][:c], self.cache, slots, kv_scale=self.kv_scale
+            )
 
     def metadata(self, slots: list[int]) -> AttentionMetadata:
         return AttentionMetadata.build(
@@ -73,14 +83,20 @@ class Batch:
     def new(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([t[c:] for t, (c, _) in zip(tensors, self.shapes)])
 
+    def as_cached(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents as the cache returns them: through fp8 and back for an fp8 cache."""
+        if self.cache.dtype != torch.float8_e4m3fn:
+            return latents
+        return (latents.float() / self.kv_scale).to(torch.float8_e4m3fn).float() * self.kv_scale
+
     def expected(self) -> torch.Tensor:
         parts = []
         for i, (context, _) in enumerate(self.shapes):
             inputs = (
                 self.q_nope[i],
                 self.q_pe[i],
-                self.kv_c[i],
-                self.k_pe[i],
+                self.as_cached(self.kv_c[i]),
+                self.as_cached(self.k_pe[i]),
                 self.w_uk,
                 self.w_uv,
             )
@@ -89,11 +105,15 @@ class Batch:
 
     def run(self, metadata: AttentionMetadata) -> torch.Tensor:
         self.write_context()
-        write_mla_cache(self.new(self.kv_c), self.new(self.k_pe), self.cache, metadata.slot_mapping)
+        write_mla_cache(
+            self.new(self.kv_c), self.new(self.k_pe), self.cache, metadata.slot_mapping,
+            kv_scale=self.kv_scale,
+        )  # fmt: skip
         q_nope, q_pe = torch.cat(self.q_nope), torch.cat(self.q_pe)
         return mla_attention(
-            q_nope, q_pe, self.cache, metadata, SCALE, self.w_uk, self.w_uv
-        ).float()
+            q_nope, q_pe, self.cache, metadata, SCALE, self.w_uk, self.w_uv,
+            kv_scale=self.kv_scale,
+        ).float()  # fmt: skip
 
 
 # (cached context, new tokens): decodes first, then prefills with and without a prefix.
@@ -143,3 +163,22 @@ def test_bf16_close_to_fp32_naive():
     out = batch.run(batch.metadata(batch.new_slots()))
     # Inputs are bf16 and the absorbed q / latent output round to bf16 once each.
     torch.testing.assert_close(out, batch.expected(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_fp8_cache_matches_naive_over_the_dequantized_latents(block_size):
+    """An fp8 latent cache holds rows / kv_scale: both paths equal naive MLA over the
+    latents rounded through fp8 (and differ from the unrounded ones)."""
+    batch = Batch(MIXED, block_size, cache_dtype=torch.float8_e4m3fn, kv_scale=0.25)
+    got = batch.run(batch.metadata(batch.new_slots()))
+    torch.testing.assert_close(got, batch.expected(), atol=1e-4, rtol=1e-4)
+    assert batch.cache.abs().float().max() > 4  # the rows were divided by the scale
+    exact = Batch(MIXED, block_size)
+    assert (got - exact.expected()).abs().max() > 1e-3
+
+
+def test_model_dtype_cache_ignores_the_scale():
+    plain = Batch(MIXED, 16)
+    scaled = Batch(MIXED, 16, kv_scale=0.25)
+    want = plain.run(plain.metadata(plain.new_slots()))
+    assert torch.equal(scaled.run(scaled.metadata(scaled.new_slots())), want)

@@ -153,6 +153,74 @@ def test_mla_prefill(dtype, decodes, prefills, block_size, heads, nope, rope, va
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+FP8 = torch.float8_e4m3fn
+KV_SCALE = 0.125
+FP8_GPU = pytest.mark.skipif(
+    DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9),
+    reason="float8_e4m3fn needs compute capability 8.9+",
+)
+
+
+def fp8_cache(num_pages, block_size, width, seed):
+    rows = randn(num_pages, block_size, width, dtype=torch.float32, seed=seed)
+    return (rows / KV_SCALE).to(FP8)
+
+
+@FP8_GPU
+@pytest.mark.skipif(
+    DEVICE == "cpu",
+    reason="Triton 3.9's interpreter rounds float32 -> e4m3 wrongly (-7.88 / 1 -> -4.0)",
+)
+def test_write_mla_cache_fp8():
+    latent, rope, num_blocks, block_size, tokens = 32, 16, 12, 16, 70
+    kv = randn(tokens, latent + rope, dtype=torch.float32, seed=0)
+    kv_c, k_pe = kv.split([latent, rope], dim=-1)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[::5] = -1
+    caches = [fp8_cache(num_blocks, block_size, latent + rope, seed=1) for _ in range(2)]
+    mla.write_mla_cache_triton(kv_c, k_pe, caches[0], slots, KV_SCALE)
+    write_mla_cache_torch(kv_c, k_pe, caches[1], slots, KV_SCALE)
+    # Division by the scale may round one e4m3 step differently on the GPU.
+    torch.testing.assert_close(caches[0].float(), caches[1].float(), rtol=0.125, atol=2**-9)
+
+
+@FP8_GPU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens, block_size, heads, latent, rope", DECODE_CASES)
+def test_mla_decode_fp8_cache(dtype, seq_lens, block_size, heads, latent, rope):
+    q_latent, q_pe, _, md = decode_inputs(seq_lens, block_size, heads, latent, rope, dtype)
+    cache = fp8_cache(md.block_table.max().item() + 1, block_size, latent + rope, seed=7)
+    scale = 192**-0.5
+    args = (q_latent, q_pe, cache, md, scale)
+    got = mla.mla_decode_attention_triton(*args, torch.empty_like(q_latent), KV_SCALE)
+    want = mla_decode_attention_torch(*args, torch.empty_like(q_latent), KV_SCALE)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@FP8_GPU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "decodes, prefills, block_size, heads, nope, rope, value, latent", PREFILL_CASES
+)
+def test_mla_prefill_fp8_cache(
+    dtype, decodes, prefills, block_size, heads, nope, rope, value, latent
+):
+    query_lens = [1] * len(decodes) + [n for _, n in prefills]
+    seq_lens = decodes + [c + n for c, n in prefills]
+    md, num_pages = paged_metadata(query_lens, seq_lens, block_size)
+    cache = fp8_cache(num_pages, block_size, latent + rope, seed=1)
+    w_uk = randn(heads, nope, latent, dtype=dtype, seed=2) * latent**-0.5
+    w_uv = randn(heads, value, latent, dtype=dtype, seed=3) * latent**-0.5
+    num_prefill_tokens = md.num_tokens - md.num_decode_tokens
+    q_nope = randn(num_prefill_tokens, heads, nope, dtype=dtype, seed=4)
+    q_pe = randn(num_prefill_tokens, heads, rope, dtype=dtype, seed=5)
+    args = (q_nope, q_pe, cache, md, (nope + rope) ** -0.5, w_uk, w_uv)
+    out = q_nope.new_empty(num_prefill_tokens, heads, value)
+    got = mla.mla_prefill_attention_triton(*args, out.clone(), KV_SCALE)
+    want = mla_prefill_attention_torch(*args, out.clone(), KV_SCALE)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
 def native_impl(device) -> NativeMLAImpl:
     spec = AttentionSpec(
         layer_name="attn", num_heads=4, num_kv_heads=1, head_dim=24, v_head_dim=12, scale=1.0,

@@ -26,7 +26,7 @@ policy picks torch on CPU, Triton on GPU), over the pool viewed as pages:
 An fp8 pool (`--kv-cache-dtype fp8_e4m3`, stored as uint8, read as float8_e4m3fn) is
 ATOM's fp8 cache: the kernels quantize on write and dequantize on read with each layer's
 per-tensor `k_scale_float` / `v_scale_float` (SGLang's names on `RadixAttention`; None
-is 1.0), for MHA pools only.
+is 1.0); an MLA pool's latent rows use `k_scale_float`.
 
 CUDA graphs (decode): `init_cuda_graph_state` allocates static metadata buffers (with a
 hybrid SWA pool, translated copies of the block table and slot mapping too);
@@ -107,17 +107,13 @@ def sub_pools(pool: Any) -> tuple[Any, ...]:
     return (pool.full_kv_pool, pool.swa_kv_pool) if isinstance(pool, SWAKVPool) else (pool,)
 
 
-def check_pool_dtype(dtype: torch.dtype, is_mla: bool, device: torch.device) -> None:
+def check_pool_dtype(dtype: torch.dtype, device: torch.device) -> None:
     """Raises where ATOM's kernels cannot read a pool of `dtype`."""
     if not dtype.is_floating_point or dtype.itemsize > 1:
         return
     if dtype != FP8_KV_CACHE_DTYPE:
         raise NotImplementedError(
             f"ATOM's attention backend has no {dtype} KV cache; use --kv-cache-dtype fp8_e4m3"
-        )
-    if is_mla:
-        raise NotImplementedError(
-            "ATOM's attention backend has no fp8 MLA (latent) cache; use --kv-cache-dtype auto"
         )
     problem = fp8_kv_cache_unsupported(device)
     if problem:
@@ -143,7 +139,7 @@ class AtomAttnBackend(AttentionBackend):
             raise NotImplementedError("ATOM's attention backend reads the NHD KV layout")
         if any(getattr(p, "is_quantized_kv_cache", False) for p in pools):
             raise NotImplementedError("ATOM's attention backend has no quantized KV cache")
-        check_pool_dtype(pools[0].dtype, self.is_mla, self.device)
+        check_pool_dtype(pools[0].dtype, self.device)
         translator = getattr(model_runner, "kv_index_translator", None)
         if translator is not None and translator.is_translating:
             # req_to_token then holds virtual ids, which are no slots of the pool.
@@ -375,11 +371,15 @@ class AtomAttnBackend(AttentionBackend):
         here: they run ATOM's MLA step over `mla_cache` themselves."""
         latent_dim = layer.v_head_dim
         kv_cache = self.mla_cache(layer.layer_id)
+        kv_scale = layer.k_scale_float or 1.0
         num_tokens = metadata.num_tokens
         q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if save_kv_cache and k is not None:
             k = k.view(-1, layer.qk_head_dim)[:num_tokens]
-            write_mla_cache(k[:, :latent_dim], k[:, latent_dim:], kv_cache, metadata.slot_mapping)
+            write_mla_cache(
+                k[:, :latent_dim], k[:, latent_dim:], kv_cache, metadata.slot_mapping,
+                kv_scale=kv_scale,
+            )  # fmt: skip
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, latent_dim)
         if metadata.num_decodes == metadata.num_seqs:
             mla_decode_attention(
@@ -389,12 +389,13 @@ class AtomAttnBackend(AttentionBackend):
                 metadata,
                 layer.scaling,
                 out=out[:num_tokens],
+                kv_scale=kv_scale,
             )
         else:  # the same latent-space MQA for every new token of an extend step
             keys = kv_cache.unsqueeze(2)
             paged_attention(
                 q[:num_tokens], keys, keys[..., :latent_dim], metadata, layer.scaling,
-                out=out[:num_tokens],
+                out=out[:num_tokens], k_scale=kv_scale, v_scale=kv_scale,
             )  # fmt: skip
         return out.view(q.shape[0], -1)
 

@@ -39,9 +39,15 @@ from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backend import AttentionBackend, AttentionType
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
+from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
 from atom.layers.attention_spec import AttentionSpec, ImplFactory
 from atom.layers.mla_impl import NativeMLAImpl
-from atom_vllm.backend import PLAIN_CACHE_DTYPES, AtomAttentionBackend, AtomMLABackend
+from atom_vllm.backend import (
+    FP8_CACHE_DTYPES,
+    AtomAttentionBackend,
+    AtomMLABackend,
+    cache_dtype_problem,
+)
 
 
 class VllmAttention(nn.Module):
@@ -124,10 +130,9 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
     def __init__(self, spec: AttentionSpec, vllm_config: Any):
         nn.Module.__init__(self)
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
-        if cache_dtype not in PLAIN_CACHE_DTYPES:
-            raise NotImplementedError(
-                f"ATOM's MLA attention does not support kv_cache_dtype={cache_dtype!r}"
-            )
+        problem = cache_dtype_problem(cache_dtype)
+        if problem:
+            raise NotImplementedError(f"ATOM's MLA attention does not support {problem}")
         self.spec = spec
         self.layer_name = spec.layer_name
         self.num_heads = spec.num_heads
@@ -137,6 +142,8 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
         self.kv_cache_torch_dtype = kv_cache_dtype_str_to_dtype(
             cache_dtype, vllm_config.model_config
         )
+        # vLLM allocates an fp8 cache as uint8; ATOM's MLA kernels read float8_e4m3fn.
+        self.fp8_cache = cache_dtype in FP8_CACHE_DTYPES
         self.attn_type = AttentionType.DECODER
         self.impl = NativeMLAImpl(spec)  # ATOM's: kernels + W_UK/W_UV absorption
         self.kv_cache = torch.tensor([])  # bound by vLLM (bind_kv_cache)
@@ -166,7 +173,10 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
             return q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.spec.v_head_dim)
         self.num_calls += 1
         # vLLM binds a [num_blocks, 1, block_size, L + R] view: one latent "head".
-        return self.impl.attend(q_nope, q_pe, kv_c, k_pe, self.kv_cache[:, 0], metadata)
+        kv_cache = self.kv_cache[:, 0]
+        if self.fp8_cache:
+            kv_cache = kv_cache.view(FP8_KV_CACHE_DTYPE)
+        return self.impl.attend(q_nope, q_pe, kv_c, k_pe, kv_cache, metadata)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_name!r}, backend=AtomMLABackend, impl=NativeMLAImpl"

@@ -46,7 +46,7 @@ from atom.layers.paged_attention_impl import write_kv_and_attend
 
 BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member register() overrides
 PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp16", "bf16")
-# vLLM's names of the float8_e4m3fn cache ATOM's MHA kernels read (atom.kernels.kv_cache);
+# vLLM's names of the float8_e4m3fn cache ATOM's MHA and MLA kernels read (atom.kernels.kv_cache);
 # vLLM allocates it as uint8.
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
@@ -61,7 +61,7 @@ class AtomBackendCapabilities(AttentionBackend):
         torch.bfloat16,
         torch.float32,
     ]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", *FP8_CACHE_DTYPES]
 
     @staticmethod
     def get_name() -> str:
@@ -77,7 +77,7 @@ class AtomBackendCapabilities(AttentionBackend):
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
-        return kv_cache_dtype is None or kv_cache_dtype in PLAIN_CACHE_DTYPES
+        return kv_cache_dtype is None or kv_cache_dtype in PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES
 
 
 class AtomAttentionBackend(AtomBackendCapabilities):
@@ -90,12 +90,6 @@ class AtomAttentionBackend(AtomBackendCapabilities):
     @staticmethod
     def get_builder_cls() -> type[AtomAttentionMetadataBuilder]:
         return AtomAttentionMetadataBuilder
-
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", *FP8_CACHE_DTYPES]
-
-    @classmethod
-    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
-        return super().supports_kv_cache_dtype(kv_cache_dtype) or kv_cache_dtype in FP8_CACHE_DTYPES
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
@@ -110,10 +104,17 @@ class AtomAttentionBackend(AtomBackendCapabilities):
         return False
 
 
-def current_device() -> torch.device:
+def cache_dtype_problem(kv_cache_dtype: str) -> str | None:
+    """Why ATOM's kernels cannot run a vLLM KV cache of `kv_cache_dtype` here, or None."""
+    if kv_cache_dtype in PLAIN_CACHE_DTYPES:
+        return None
+    if kv_cache_dtype not in FP8_CACHE_DTYPES:
+        supported = ", ".join(PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES)
+        return f"kv_cache_dtype={kv_cache_dtype!r} (supported: {supported})"
+    device = torch.device("cpu")
     if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device())
+    return fp8_kv_cache_unsupported(device)
 
 
 def key_value_caches(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,15 +204,9 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
             unsupported.append(f"attention type {attn_type}")
         if kv_sharing_target_layer_name is not None:
             unsupported.append("KV sharing between layers")
-        if kv_cache_dtype not in PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES:
-            unsupported.append(
-                f"kv_cache_dtype={kv_cache_dtype!r} (supported: "
-                f"{', '.join(PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES)})"
-            )
-        elif kv_cache_dtype in FP8_CACHE_DTYPES:
-            problem = fp8_kv_cache_unsupported(current_device())
-            if problem:
-                unsupported.append(problem)
+        problem = cache_dtype_problem(kv_cache_dtype)
+        if problem:
+            unsupported.append(problem)
         if unsupported:
             raise NotImplementedError(
                 "ATOM's attention backend does not support " + ", ".join(unsupported)

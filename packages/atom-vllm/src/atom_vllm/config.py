@@ -73,12 +73,8 @@ def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
     if quantization is not None and quant_config is None:
         raise unsupported(f"online quantization ({quantization!r} on an unquantized checkpoint)")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype not in PLAIN_CACHE_DTYPES + (
-        FP8_CACHE_DTYPES if entry.attention == "MHA" else ()
-    ):
-        # An fp8 cache is supported for MHA models only (no fp8 latent-cache kernels yet).
-        kind = f" with {entry.attention} attention" if cache_dtype in FP8_CACHE_DTYPES else ""
-        raise unsupported(f"kv_cache_dtype={cache_dtype!r}{kind}")
+    if cache_dtype not in PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES:
+        raise unsupported(f"kv_cache_dtype={cache_dtype!r}")
 
     return AtomRunConfig(
         entry=entry,

@@ -15,6 +15,7 @@ from atom.cuda_graphs import graph_blockers
 from atom.engine.cuda_graphs import DecodeGraphs
 from atom.engine.step_arrays import StepInput, TokenFeed, build_step_arrays, upload
 from atom.forward_context import AttentionMetadata, set_forward_context
+from atom.kernels.kv_cache import fp8_kv_cache_unsupported
 from atom.layers.quantization import get_quant_config
 from atom.loader import load_model_weights
 
@@ -50,19 +51,9 @@ def attention_impls(model: nn.Module) -> list[nn.Module]:
 def check_fp8_kv_cache(model: nn.Module, device: torch.device, log: bool = True) -> None:
     """Raises ConfigError where an fp8 KV cache cannot run; logs when every scale is 1.0."""
     impls = attention_impls(model)
-    if any(impl.spec.kind == "MLA" for impl in impls):
-        raise ConfigError(
-            "kv_cache_dtype='fp8' is not supported for MLA models (their latent cache); "
-            "use kv_cache_dtype='auto'"
-        )
-    if device.type == "cuda" and (
-        torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9)
-    ):
-        raise ConfigError(
-            "kv_cache_dtype='fp8' (float8_e4m3fn) needs an NVIDIA GPU of compute capability "
-            f"8.9 or newer (or the CPU); {torch.cuda.get_device_name(device)} has no such "
-            "kernels here: use kv_cache_dtype='auto'"
-        )
+    problem = fp8_kv_cache_unsupported(device)
+    if problem:
+        raise ConfigError(f"{problem}: use kv_cache_dtype='auto'")
     if log and all(impl.k_scale == impl.v_scale == 1.0 for impl in impls):
         logger.info(
             "fp8 KV cache: k_scale = v_scale = 1.0 in every layer (the checkpoint gives no others)"

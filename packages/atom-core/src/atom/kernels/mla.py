@@ -13,6 +13,9 @@ As in vLLM, there are two exact ways to attend:
   and v, then ordinary attention with head dim Dn + R; cheaper when many queries share
   the keys.
 Both read the cache through `block_table`, so a prefill with a cached prefix sees it.
+
+An fp8 latent cache (float8_e4m3fn) holds rows / kv_scale, one scale per layer
+(atom.kernels.kv_cache); keys and values are read as cache * kv_scale.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from atom.forward_context import AttentionMetadata
+from atom.kernels.kv_cache import dequantize_kv, quantize_kv
 from atom.kernels.paged_attention import attention_mask, dense_attention, gather_pages
 from atom.kernels.policy import dispatch, register
 
@@ -57,30 +61,41 @@ def _query_positions(begin: int, end: int, seq_len: int, device: torch.device) -
 
 
 @register("write_mla_cache", "torch")
-def write_mla_cache_torch(kv_c, k_pe, kv_cache, slot_mapping) -> None:
+def write_mla_cache_torch(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=1.0) -> None:
     block_size = kv_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     rows = torch.cat([kv_c[valid], k_pe[valid]], dim=-1)
-    kv_cache[slots // block_size, slots % block_size] = rows.to(kv_cache.dtype)
+    kv_cache[slots // block_size, slots % block_size] = quantize_kv(rows, kv_scale, kv_cache.dtype)
 
 
 def write_mla_cache(
-    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_scale: float = 1.0,
 ) -> None:
     """kv_c [T, L] and k_pe [T, R] into kv_cache [num_blocks, block_size, L + R].
 
     Slot s is block s // block_size, offset s % block_size; slot -1 marks padding.
+    kv_scale: an fp8 cache's per-tensor scale (see the module docstring).
     """
-    dispatch("write_mla_cache", kv_c.device)(kv_c, k_pe, kv_cache, slot_mapping)
+    dispatch("write_mla_cache", kv_c.device)(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
+
+
+def _cached_rows(kv_cache, table_row, seq_len, kv_scale, dtype) -> torch.Tensor:
+    return dequantize_kv(gather_pages(kv_cache, table_row, seq_len), kv_scale).to(dtype)
 
 
 @register("mla_decode_attention", "torch")
-def mla_decode_attention_torch(q_latent, q_pe, kv_cache, metadata, scale, out):
+def mla_decode_attention_torch(q_latent, q_pe, kv_cache, metadata, scale, out, kv_scale=1.0):
     latent_dim = q_latent.shape[-1]
     query = torch.cat([q_latent, q_pe], dim=-1)
     for i, begin, end, seq_len in _sequences(metadata, 0, metadata.num_decodes):
-        kv = gather_pages(kv_cache, metadata.block_table[i], seq_len).unsqueeze(1)
+        rows = _cached_rows(kv_cache, metadata.block_table[i], seq_len, kv_scale, query.dtype)
+        kv = rows.unsqueeze(1)
         mask = attention_mask(_query_positions(begin, end, seq_len, query.device), seq_len, None)
         out[begin:end] = dense_attention(
             query[begin:end], kv, kv[..., :latent_dim], mask, scale, None
@@ -96,6 +111,7 @@ def mla_decode_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Latent-space MQA for the decode sequences (the first `num_decodes`) -> [Td, H, L].
 
@@ -106,16 +122,18 @@ def mla_decode_attention(
     if out is None:
         out = q_latent.new_empty(q_latent.shape)
     return dispatch("mla_decode_attention", q_latent.device)(
-        q_latent, q_pe, kv_cache, metadata, scale, out
+        q_latent, q_pe, kv_cache, metadata, scale, out, kv_scale
     )
 
 
 @register("mla_prefill_attention", "torch")
-def mla_prefill_attention_torch(q_nope, q_pe, kv_cache, metadata, scale, w_uk, w_uv, out):
+def mla_prefill_attention_torch(
+    q_nope, q_pe, kv_cache, metadata, scale, w_uk, w_uv, out, kv_scale=1.0
+):
     num_heads, _, latent_dim = w_uk.shape
     query = torch.cat([q_nope, q_pe], dim=-1)
     for i, begin, end, seq_len in _sequences(metadata, metadata.num_decodes, metadata.num_seqs):
-        rows = gather_pages(kv_cache, metadata.block_table[i], seq_len).float()
+        rows = _cached_rows(kv_cache, metadata.block_table[i], seq_len, kv_scale, torch.float32)
         kv_c, k_pe = rows[:, :latent_dim], rows[:, latent_dim:]
         k_nope = torch.einsum("ml,hdl->mhd", kv_c, w_uk.float())
         value = torch.einsum("ml,hdl->mhd", kv_c, w_uv.float())
@@ -135,6 +153,7 @@ def mla_prefill_attention(
     w_uv: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Up-projected attention for the prefill sequences (after the decodes) -> [Tp, H, Dv].
 
@@ -144,7 +163,7 @@ def mla_prefill_attention(
     if out is None:
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
     return dispatch("mla_prefill_attention", q_nope.device)(
-        q_nope, q_pe, kv_cache, metadata, scale, w_uk, w_uv, out
+        q_nope, q_pe, kv_cache, metadata, scale, w_uk, w_uv, out, kv_scale
     )
 
 
@@ -158,6 +177,7 @@ def mla_attention(
     w_uv: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """MLA for a mixed, decode-first batch: q_nope [T, H, Dn], q_pe [T, H, R] -> [T, H, Dv].
 
@@ -170,7 +190,7 @@ def mla_attention(
     if metadata.num_decodes:
         q_latent = absorb_query(q_nope[:num_decode_tokens], w_uk)
         latent_out = mla_decode_attention(
-            q_latent, q_pe[:num_decode_tokens], kv_cache, metadata, scale
+            q_latent, q_pe[:num_decode_tokens], kv_cache, metadata, scale, kv_scale=kv_scale
         )
         out[:num_decode_tokens] = expand_latent_output(latent_out, w_uv)
     if metadata.num_prefills:
@@ -183,5 +203,6 @@ def mla_attention(
             w_uk,
             w_uv,
             out=out[num_decode_tokens:],
+            kv_scale=kv_scale,
         )
     return out

@@ -17,6 +17,10 @@ class NativeMLAImpl(nn.Module):
     forward takes q_nope [T, H, Dn], q_pe [T, H, R] (rotated), kv_c [T, L] (normalised
     latent) and k_pe [T, R] (rotated) and returns [T, H, Dv]. W_UK / W_UV come from the
     spec's kv_b_proj once its weights are loaded (`process_weights_after_loading`).
+
+    With an fp8 cache, `k_scale` is the one per-tensor scale of the latent rows (the
+    checkpoint's `k_scale`, set by atom.loader, or 1.0); a checkpoint's `v_scale` is
+    taken and not used (there are no separate values).
     """
 
     # The ops of a captured (pure-decode) step: their Triton kernels are capturable, the
@@ -32,6 +36,8 @@ class NativeMLAImpl(nn.Module):
         # The activation dtype, which the model is built under (weights may be FP8).
         self.dtype = torch.get_default_dtype()
         self.kv_cache: torch.Tensor | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv", None, persistent=False)
 
@@ -90,7 +96,8 @@ class NativeMLAImpl(nn.Module):
                 f"{self.spec.layer_name}: kv_b_proj is not split yet "
                 "(call atom.loader.process_weights_after_loading after loading weights)"
             )
-        write_mla_cache(kv_c, k_pe, kv_cache, metadata.slot_mapping)
+        write_mla_cache(kv_c, k_pe, kv_cache, metadata.slot_mapping, kv_scale=self.k_scale)
         return mla_attention(
-            q_nope, q_pe, kv_cache, metadata, self.spec.scale, self.w_uk, self.w_uv
-        )
+            q_nope, q_pe, kv_cache, metadata, self.spec.scale, self.w_uk, self.w_uv,
+            kv_scale=self.k_scale,
+        )  # fmt: skip

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from atom.forward_context import AttentionMetadata
+from atom.kernels.kv_cache import is_fp8_kv_cache
 from atom.kernels.mla import mla_decode_attention_torch
 from atom.kernels.policy import capturable, register
 from atom.kernels.triton.kv_cache import write_kv_cache_triton
@@ -44,12 +45,12 @@ MAX_SPLITS = 32
 
 @register("write_mla_cache", "triton")
 @capturable
-def write_mla_cache_triton(kv_c, k_pe, kv_cache, slot_mapping) -> None:
+def write_mla_cache_triton(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=1.0) -> None:
     latent_dim = kv_c.shape[-1]
     rows = kv_cache.unsqueeze(2)  # [num_blocks, block_size, 1 head, L + R]
     write_kv_cache_triton(
         kv_c.unsqueeze(1), k_pe.unsqueeze(1), rows[..., :latent_dim], rows[..., latent_dim:],
-        slot_mapping,
+        slot_mapping, kv_scale, kv_scale,
     )  # fmt: skip
 
 
@@ -58,7 +59,8 @@ def _mla_decode_kernel(
     q_latent_ptr, q_pe_ptr, cache_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     block_table_ptr, seq_lens_ptr, query_start_ptr,
     ql_stride_t, ql_stride_h, qp_stride_t, qp_stride_h, c_stride_b, c_stride_s,
-    o_stride_t, o_stride_h, bt_stride, qk_scale, num_heads, block_size, latent_dim, rope_dim,
+    o_stride_t, o_stride_h, bt_stride, qk_scale, kv_scale, num_heads, block_size, latent_dim,
+    rope_dim,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -104,6 +106,10 @@ def _mla_decode_kernel(
             cache_ptr + latent_dim, table_row, n, n_valid, 0, c_stride_b, c_stride_s, 0,
             rdims, rmask, block_size,
         )  # fmt: skip
+        # An fp8 cache is read in the query's dtype; its scale is folded into qk_scale
+        # (keys) and applied once to the output (values).
+        latent = latent.to(q_latent.dtype)
+        rope = rope.to(q_pe.dtype)
         s = tl.dot(q_latent, tl.trans(latent), input_precision=PRECISION)
         s += tl.dot(q_pe, tl.trans(rope), input_precision=PRECISION)
         s = tl.where(n_valid[None, :], s * qk_scale, float("-inf"))
@@ -116,6 +122,7 @@ def _mla_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
+    acc = acc * kv_scale
     if NUM_SPLITS == 1:  # the whole context in one program: no reduction pass
         acc = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + token * o_stride_t + heads[:, None] * o_stride_h + ldims[None, :]
@@ -137,15 +144,16 @@ def _num_splits(num_decodes: int, head_blocks: int) -> int:
 
 @register("mla_decode_attention", "triton")
 @capturable
-def mla_decode_attention_triton(q_latent, q_pe, kv_cache, metadata, scale, out):
+def mla_decode_attention_triton(q_latent, q_pe, kv_cache, metadata, scale, out, kv_scale=1.0):
     num_decodes = metadata.num_decodes
     if metadata.num_decode_tokens != num_decodes:
         # Several query tokens per decode sequence (speculative decoding): no host sends
         # these today (decodes are one token, also in captured steps), so they take the
         # reference.
-        return mla_decode_attention_torch(q_latent, q_pe, kv_cache, metadata, scale, out)
+        return mla_decode_attention_torch(q_latent, q_pe, kv_cache, metadata, scale, out, kv_scale)
     num_heads, latent_dim = q_latent.shape[1:]
     rope_dim = q_pe.shape[-1]
+    kv_scale = kv_scale if is_fp8_kv_cache(kv_cache) else 1.0  # model-dtype caches hold x
     config = DECODE_CONFIG
     block_h = min(config["block_h"], max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
@@ -165,8 +173,8 @@ def mla_decode_attention_triton(q_latent, q_pe, kv_cache, metadata, scale, out):
         metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
-        metadata.block_table.stride(0), scale * math.log2(math.e), num_heads, kv_cache.shape[1],
-        latent_dim, rope_dim,
+        metadata.block_table.stride(0), scale * kv_scale * math.log2(math.e), kv_scale, num_heads,
+        kv_cache.shape[1], latent_dim, rope_dim,
         NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=config["block_n"],
         BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
@@ -190,11 +198,17 @@ def _prefill_pages(metadata: AttentionMetadata, block_size: int):
 
 
 @register("mla_prefill_attention", "triton")
-def mla_prefill_attention_triton(q_nope, q_pe, kv_cache, metadata, scale, w_uk, w_uv, out):
+def mla_prefill_attention_triton(
+    q_nope, q_pe, kv_cache, metadata, scale, w_uk, w_uv, out, kv_scale=1.0
+):
     num_heads, nope_dim, latent_dim = w_uk.shape
     block_size = kv_cache.shape[1]
     pages, compact_table = _prefill_pages(metadata, block_size)
     rows = kv_cache[pages]  # [P, block_size, L + R]
+    if is_fp8_kv_cache(kv_cache):
+        # The up-projection below expands these pages into per-head K/V anyway; the
+        # latents are dequantized on the way (only the prefill sequences' pages).
+        rows = (rows.float() * kv_scale).to(w_uk.dtype)
     kv_c, k_pe = rows[..., :latent_dim], rows[..., latent_dim:]
     page_shape = (pages.shape[0], block_size, num_heads)
     k_nope = (kv_c @ w_uk.flatten(0, 1).T).view(*page_shape, nope_dim)
