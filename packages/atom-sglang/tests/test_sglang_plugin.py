@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import pkgutil
 import random
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -305,6 +307,24 @@ def test_external_model_package_offers_every_served_architecture():
 
     names = sorted(cls.__name__ for cls in atom_models.EntryClass)
     assert names == sorted(atom_sglang.served_architectures())
+
+
+def test_external_model_package_refuses_an_unsupported_sglang(unsupported_sglang, caplog):
+    """SGLANG_EXTERNAL_MODEL_PACKAGE=atom_sglang.models asks for ATOM explicitly: on an
+    SGLang outside the range its import raises, which SGLang's registry logs (keeping
+    its own classes)."""
+    from sglang.srt.models.registry import import_model_classes
+
+    module = "atom_sglang.models.atom_models"
+    sys.modules.pop(module, None)
+    try:
+        with pytest.raises(UnsupportedHostVersion, match=REFUSAL + ": ATOM was requested"):
+            importlib.import_module(module)
+        with caplog.at_level(logging.WARNING):
+            assert import_model_classes("atom_sglang.models") == {}
+        assert re.search(REFUSAL + ": ATOM was requested", logged(caplog))
+    finally:
+        sys.modules.pop(module, None)
 
 
 def test_every_sglang_capable_registry_entry_gets_the_adapter_of_its_attention_kind():
