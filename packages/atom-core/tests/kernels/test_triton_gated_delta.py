@@ -1,0 +1,254 @@
+"""The Triton gated delta rule (chunked prefill, recurrent decode) against a naive per-token loop.
+
+The reference below is the recurrence itself, token by token in fp64; one test pins it to
+HF transformers' Qwen3-Next functions, so the kernels follow HF's conventions (l2norm eps
+inside the square root, scale on q after the norm, value head h reading key head
+h // (Hv // Hk)). Every batch scatters its sequences over a pool of state slots whose other
+slots, and the slots of sequences that start fresh, hold NaN: the kernels must neither
+read nor write them.
+
+On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1; skipped otherwise) with
+small heads and chunks of 16, so sequences span several chunks and end inside one; the
+`gpu` cases run Qwen3-Next's shapes (Dk = Dv = 128, 16 key / 32 value heads) in bf16 with
+the default chunk of 64.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atom.testing.triton_device import triton_test_device
+
+pytest.importorskip("triton")
+
+DEVICE = triton_test_device()
+
+from atom.kernels.triton.gated_delta import gated_delta_rule  # noqa: E402
+
+CPU_CHUNK = 16
+# fp32: the kernels against the fp64 loop (tf32 is off for fp32 inputs). bf16: the inputs
+# are rounded to bf16 before either side sees them, so what differs is the bf16 output
+# (2^-8 relative) and, on the GPU, the tf32 matmuls of the chunked form.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+STATE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def l2norm(x):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def naive_gated_delta(q, k, v, g, beta, pool, slots, lens, has_initial, scale, use_l2norm):
+    """fp64, token by token: the outputs [T, Hv, Dv] and the pool after the batch."""
+    pool = pool.double().clone()
+    group = v.shape[1] // q.shape[1]
+    q, k = (x.double().repeat_interleave(group, dim=1) for x in (q, k))
+    if use_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    v, g, beta = v.double(), g.double(), beta.double()
+    out = torch.zeros_like(v)
+    start = 0
+    for slot, n, has in zip(slots, lens, has_initial):
+        s = pool[slot].clone() if has and slot >= 0 else torch.zeros_like(pool[0])  # [Hv, Dk, Dv]
+        for t in range(start, start + n):
+            s = s * g[t].exp()[:, None, None]
+            delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], s)) * beta[t][:, None]
+            s = s + k[t][:, :, None] * delta[:, None, :]
+            out[t] = torch.einsum("hk,hkv->hv", q[t] * scale, s)
+        if slot >= 0:
+            pool[slot] = s
+        start += n
+    return out, pool
+
+
+def make_batch(lens, hk, hv, dk, dv, dtype, has_initial, num_slots=None, seed=0,
+               unit_keys=False):  # fmt: skip
+    """Inputs as a Qwen3-Next layer makes them, sequences scattered over the pool's slots."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, num_seqs = sum(lens), len(lens)
+    num_slots = num_slots or 2 * num_seqs + 1
+    q = torch.randn(num_tokens, hk, dk, generator=gen)
+    k = torch.randn(num_tokens, hk, dk, generator=gen)
+    if unit_keys:  # without the in-kernel norm, keep |k|^2 beta < 2 so the rule is stable
+        q, k = q / dk**0.5, k / dk**0.5
+    v = torch.randn(num_tokens, hv, dv, generator=gen)
+    g = -F.softplus(torch.randn(num_tokens, hv, generator=gen))  # log decay in (-inf, 0)
+    beta = torch.sigmoid(torch.randn(num_tokens, hv, generator=gen))
+    slots = torch.randperm(num_slots, generator=gen)[:num_seqs].to(torch.int32)
+    pool = torch.full((num_slots, hv, dk, dv), float("nan"))
+    for slot, has in zip(slots.tolist(), has_initial):
+        if has:
+            pool[slot] = torch.randn(hv, dk, dv, generator=gen) * 0.5
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+    return dict(
+        q=q, k=k, v=v, g=g, beta=beta, state=pool, state_slots=slots, query_start_loc=cu,
+        has_initial_state=torch.tensor(has_initial),
+    )  # fmt: skip
+
+
+def to_device(batch):
+    return {name: x.to(DEVICE) for name, x in batch.items()}
+
+
+def run_both(batch, lens, scale, use_l2norm=True, chunk_size=CPU_CHUNK):
+    """(kernel outputs, kernel pool) and (reference outputs, reference pool), on the CPU."""
+    args = to_device(batch)
+    want_o, want_pool = naive_gated_delta(
+        *(args[n] for n in ("q", "k", "v", "g", "beta", "state")),
+        batch["state_slots"].tolist(), lens, batch["has_initial_state"].tolist(), scale,
+        use_l2norm,
+    )  # fmt: skip
+    got_o = gated_delta_rule(**args, scale=scale, use_qk_l2norm=use_l2norm, chunk_size=chunk_size)
+    return (got_o.cpu(), args["state"].cpu()), (want_o.cpu(), want_pool.cpu())
+
+
+def check(got, want, dtype):
+    (got_o, got_pool), (want_o, want_pool) = got, want
+    assert got_o.dtype == dtype
+    torch.testing.assert_close(got_o.double(), want_o, **TOL[dtype])
+    torch.testing.assert_close(got_pool.double(), want_pool, equal_nan=True, **STATE_TOL[dtype])
+
+
+def test_reference_is_hf_qwen3_next():
+    """The naive loop equals transformers' recurrent and chunked functions, GQA and all."""
+    modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    lens, hk, hv, dk, dv = [45], 2, 4, 32, 16
+    batch = make_batch(lens, hk, hv, dk, dv, torch.float32, has_initial=[True], num_slots=1)
+    want_o, want_pool = naive_gated_delta(
+        *(batch[n] for n in ("q", "k", "v", "g", "beta", "state")), [0], lens, [True],
+        dk**-0.5, True,
+    )  # fmt: skip
+    hf_args = [batch[n][None] for n in ("q", "k", "v", "g", "beta")]
+    for hf in (modeling.torch_recurrent_gated_delta_rule, modeling.torch_chunk_gated_delta_rule):
+        o, final = hf(*hf_args, initial_state=batch["state"].clone(), output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)  # fmt: skip
+        torch.testing.assert_close(o[0].double(), want_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final.double(), want_pool, atol=1e-5, rtol=1e-5)
+
+
+CPU_CASES = {
+    # lengths, has_initial_state, Hk, Hv, Dk, Dv
+    "mixed, GQA 2": ([1, 5, 16, 37], [True, False, True, False], 2, 4, 32, 32),
+    "decodes among prefills": ([37, 1, 16, 1], [True, True, False, True], 2, 2, 32, 32),
+    "GQA 4, odd dims": ([20, 33], [False, True], 1, 4, 24, 40),
+}
+
+
+@pytest.mark.parametrize("use_l2norm", [True, False])
+@pytest.mark.parametrize("case", CPU_CASES.values(), ids=CPU_CASES.keys())
+def test_prefill(case, use_l2norm):
+    lens, has_initial, hk, hv, dk, dv = case
+    batch = make_batch(lens, hk, hv, dk, dv, torch.float32, has_initial,
+                       unit_keys=not use_l2norm)  # fmt: skip
+    check(*run_both(batch, lens, dk**-0.5, use_l2norm), torch.float32)
+
+
+def test_prefill_default_chunk():
+    """The chunk of 64 the models run, across a chunk boundary."""
+    lens = [70, 3]
+    batch = make_batch(lens, 1, 2, 32, 32, torch.float32, [True, False], seed=5)
+    check(*run_both(batch, lens, 32**-0.5, chunk_size=64), torch.float32)
+
+
+def test_prefill_bf16():
+    lens = [1, 5, 16, 37]
+    batch = make_batch(lens, 2, 4, 32, 32, torch.bfloat16, [True, False, True, False])
+    check(*run_both(batch, lens, 32**-0.5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode(dtype):
+    """One token per sequence: the recurrent kernel (no host sync)."""
+    lens = [1] * 5
+    batch = make_batch(lens, 2, 4, 32, 32, dtype, [True, False, True, True, False], seed=1)
+    check(*run_both(batch, lens, 32**-0.5), dtype)
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 1], [3, 7]], ids=["decode", "prefill"])
+def test_padded_sequence(lens):
+    """A negative slot (a padded CUDA-graph entry): zero outputs, the pool untouched."""
+    batch = make_batch(lens, 2, 2, 32, 32, torch.float32, [True] * len(lens), seed=2)
+    batch["state_slots"][1] = -1
+    (got_o, got_pool), (want_o, want_pool) = run_both(batch, lens, 32**-0.5)
+    padded = slice(lens[0], lens[0] + lens[1])
+    assert torch.equal(got_o[padded], torch.zeros_like(got_o[padded]))
+    want_o[padded] = 0
+    check((got_o, got_pool), (want_o, want_pool), torch.float32)
+
+
+def test_prefill_then_decode_equals_one_prefill():
+    """Chunked prefill, a second chunked prefill from the saved state, then decodes: the
+    outputs and final states of one prefill over the same tokens."""
+    lens, hk, hv, dk, dv = [40, 23], 2, 4, 32, 32
+    first, second, decodes = [21, 4], [16, 16], 3
+    assert [a + b + decodes for a, b in zip(first, second)] == lens
+    whole = make_batch(lens, hk, hv, dk, dv, torch.float32, [False, False], seed=3)
+    scale = dk**-0.5
+    args = to_device(whole)
+    want_o = gated_delta_rule(**args, scale=scale, chunk_size=CPU_CHUNK).cpu()
+    want_state = args["state"].cpu()
+
+    pool = whole["state"].clone().to(DEVICE)
+    slots, seq_starts = whole["state_slots"].to(DEVICE), [0, lens[0]]
+    got_o = torch.empty_like(want_o)
+
+    def step(offsets, counts, has_initial):
+        rows = torch.cat(
+            [torch.arange(s + o, s + o + n) for s, o, n in zip(seq_starts, offsets, counts)]
+        )
+        cu = torch.tensor([0, *counts]).cumsum(0).to(torch.int32)
+        inputs = {n: whole[n][rows].to(DEVICE) for n in ("q", "k", "v", "g", "beta")}
+        got_o[rows] = gated_delta_rule(
+            **inputs, state=pool, state_slots=slots, query_start_loc=cu.to(DEVICE),
+            has_initial_state=torch.tensor(has_initial, device=DEVICE), scale=scale,
+            chunk_size=CPU_CHUNK,
+        ).cpu()  # fmt: skip
+
+    step([0, 0], first, [False, False])
+    step(first, second, [True, True])
+    for i in range(decodes):
+        step([a + b + i for a, b in zip(first, second)], [1, 1], [True, True])
+    torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(pool.cpu(), want_state, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(v=torch.zeros(3, 3, 16)), "Hv=3"),
+        (dict(g=torch.zeros(3, 4, dtype=torch.bfloat16)), "g must be float32"),
+        (dict(state=torch.zeros(2, 4, 16, 8)), "state (2, 4, 16, 8)"),
+        (dict(query_start_loc=torch.tensor([0, 3], dtype=torch.int32)), "query_start_loc (2,)"),
+        (dict(chunk_size=48), "chunk_size=48"),
+    ],
+)
+def test_bad_input_names_the_field(change, message):
+    args = dict(
+        q=torch.zeros(3, 2, 16), k=torch.zeros(3, 2, 16), v=torch.zeros(3, 4, 16),
+        g=torch.zeros(3, 4), beta=torch.zeros(3, 4), state=torch.zeros(2, 4, 16, 16),
+        state_slots=torch.tensor([0, 1], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32),
+        has_initial_state=torch.tensor([True, False]), scale=0.25,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="gated_delta_rule: .*" + re.escape(message)):
+        gated_delta_rule(**{**args, **change})
+
+
+gpu = pytest.mark.skipif(DEVICE != "cuda", reason="Qwen3-Next shapes: too slow interpreted")
+GPU_CASES = {
+    # lengths (incl. non-multiples of the chunk and one-token prefills among them), has_initial
+    "long mixed": ([4096, 1000, 1, 129, 64, 7], [False, True, True, False, True, True]),
+    "decode 64": ([1] * 64, [True, False] * 32),
+}
+
+
+@gpu
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_qwen3_next_shapes(case):
+    lens, has_initial = case
+    batch = make_batch(lens, 16, 32, 128, 128, torch.bfloat16, has_initial, seed=4)
+    check(*run_both(batch, lens, 128**-0.5, chunk_size=64), torch.bfloat16)
