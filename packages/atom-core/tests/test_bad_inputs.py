@@ -97,9 +97,9 @@ def test_unsupported_dtype_and_quantization(checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="unsupported dtype 'int3'"):
         ModelConfig.from_pretrained(checkpoint, dtype="int3")
     folder = copy_with(
-        checkpoint, tmp_path / "m", lambda c: c.update(quantization_config={"quant_method": "awq"})
+        checkpoint, tmp_path / "m", lambda c: c.update(quantization_config={"quant_method": "hqq"})
     )
-    with pytest.raises(ValueError, match="unsupported quantization method 'awq'"):
+    with pytest.raises(ValueError, match="unsupported quantization method 'hqq'"):
         LLM(model=str(folder), skip_tokenizer_init=True)
 
 

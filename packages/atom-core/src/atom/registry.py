@@ -10,7 +10,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-QUANT_FORMATS = ("fp8-per-tensor", "fp8-block", "compressed-tensors-fp8")
+FP8_FORMATS = ("fp8-per-tensor", "fp8-block", "compressed-tensors-fp8")
+# 4-bit weight-only (W4A16) dense layers; 4-bit MoE experts are not supported.
+W4A16_FORMATS = ("awq", "gptq", "compressed-tensors-w4a16")
+QUANT_FORMATS = FP8_FORMATS + W4A16_FORMATS
 ALL_HOSTS = ("atom", "vllm", "sglang")
 
 
@@ -22,8 +25,12 @@ class ModelEntry:
     family: str
     attention: str = "MHA"  # "MHA" (incl. GQA/MQA) or "MLA"
     moe: bool = False
-    quant: tuple[str, ...] = QUANT_FORMATS
+    quant: tuple[str, ...] | None = None  # None: QUANT_FORMATS, or FP8_FORMATS for MoE
     hosts: tuple[str, ...] = ALL_HOSTS
+
+    def __post_init__(self) -> None:
+        if self.quant is None:
+            object.__setattr__(self, "quant", FP8_FORMATS if self.moe else QUANT_FORMATS)
 
     @property
     def class_path(self) -> str:

@@ -19,8 +19,20 @@ from atom.layers.quantization import QuantizationConfig, get_quant_config
 from atom.registry import ModelEntry, get_entry
 from atom_vllm.backend import FP8_CACHE_DTYPES, PLAIN_CACHE_DTYPES
 
-# vLLM's own names for the checkpoint quantization formats ATOM loads itself.
-_ATOM_QUANT_METHODS = {"fp8", "compressed-tensors", "gpt_oss_mxfp4"}
+# vLLM's own names for the checkpoint quantization formats ATOM loads itself (vLLM 0.32
+# resolves an AWQ checkpoint to "awq" on CPU and "auto_awq" on GPUs, a GPTQ one to
+# "auto_gptq"; the marlin names are the ones a user may pass as `quantization`).
+_ATOM_QUANT_METHODS = {
+    "fp8",
+    "compressed-tensors",
+    "gpt_oss_mxfp4",
+    "awq",
+    "awq_marlin",
+    "auto_awq",
+    "gptq",
+    "gptq_marlin",
+    "auto_gptq",
+}
 # vLLM renames these methods inside the hf_config it hands over: the checkpoint's names.
 _CHECKPOINT_METHOD = {"gpt_oss_mxfp4": "mxfp4"}
 

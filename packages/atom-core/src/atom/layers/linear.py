@@ -2,8 +2,10 @@
 
 Parameters carry `output_dim` / `input_dim` (the axis that is sharded, None if the
 parameter is replicated, e.g. a per-tensor scale) and optionally `shard_block` (the
-number of weight rows/columns one element stands for, e.g. 128 for FP8 block scales)
-and `per_shard` (one scalar per merged shard, e.g. per-tensor FP8 scales of q/k/v).
+number of weight rows/columns one element stands for, e.g. 128 for FP8 block scales; a
+{dim: block} dict where the two axes differ, e.g. 4-bit codes packed eight to an int32
+along one axis and group scales along the other) and `per_shard` (one scalar per merged
+shard, e.g. per-tensor FP8 scales of q/k/v).
 """
 
 from __future__ import annotations
@@ -29,9 +31,14 @@ def copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def _shard_block(param: nn.Parameter, dim: int) -> int:
+    block = getattr(param, "shard_block", 1)
+    return block.get(dim, 1) if isinstance(block, dict) else block
+
+
 def _shard_rows(param: nn.Parameter, loaded: torch.Tensor, dim: int, offset: int, size: int):
     """Checkpoint rows [offset, offset+size) along `dim`, in units of the param's shard block."""
-    block = getattr(param, "shard_block", 1)
+    block = _shard_block(param, dim)
     start, length = offset // block, _ceil_div(size, block)
     if start + length > loaded.shape[dim]:
         raise ValueError(
@@ -143,8 +150,7 @@ class ColumnParallelLinear(LinearBase):
             return
         offset, size = self._shard_range(index)
         shard = _shard_rows(param, loaded, output_dim, offset, size)
-        block = getattr(param, "shard_block", 1)
-        start = self._param_offset(index) // block
+        start = self._param_offset(index) // _shard_block(param, output_dim)
         copy_weight(_Narrowed(param, output_dim, start, shard.shape[output_dim]), shard)
 
     def _shard_index(self, shard_id) -> int:

@@ -11,6 +11,7 @@ from atom.kernels.triton import (
     norm,
     paged_attention,
     rotary,
+    w4a16,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "norm",
     "paged_attention",
     "rotary",
+    "w4a16",
 ]

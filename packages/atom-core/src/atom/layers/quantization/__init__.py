@@ -20,16 +20,25 @@ def get_quant_config(hf_config: Any) -> QuantizationConfig | None:
 
         return Fp8Config.from_dict(raw)
     if method == "compressed-tensors":
-        from atom.layers.quantization.compressed_tensors import CompressedTensorsFp8Config
+        from atom.layers.quantization.compressed_tensors import compressed_tensors_config
 
-        return CompressedTensorsFp8Config.from_dict(raw)
+        return compressed_tensors_config(raw)
     if method == "mxfp4":
         from atom.layers.quantization.mxfp4 import Mxfp4Config
 
         return Mxfp4Config.from_dict(raw)
+    if method == "awq":
+        from atom.layers.quantization.awq import AwqConfig
+
+        return AwqConfig.from_dict(raw)
+    if method == "gptq":
+        from atom.layers.quantization.gptq import GptqConfig
+
+        return GptqConfig.from_dict(raw)
     raise ValueError(
         f"unsupported quantization method {method!r}; supported: 'fp8', "
-        "'compressed-tensors' (FP8), 'mxfp4' (GPT-OSS experts)"
+        "'compressed-tensors' (FP8, 4-bit pack-quantized), 'awq', 'gptq' (4-bit), "
+        "'mxfp4' (GPT-OSS experts)"
     )
 
 

@@ -1,9 +1,29 @@
-"""compressed-tensors checkpoints with FP8 weights (`quant_method: "compressed-tensors"`)."""
+"""compressed-tensors checkpoints (`quant_method: "compressed-tensors"`): FP8 weights here,
+4-bit "pack-quantized" weights in `pack_quantized`."""
 
 from __future__ import annotations
 
-from atom.layers.quantization.base import LinearMethod
+from atom.config import ConfigError
+from atom.layers.quantization.base import LinearMethod, QuantizationConfig
 from atom.layers.quantization.fp8 import Fp8PerTensorLinearMethod, _IgnoringConfig
+from atom.layers.quantization.pack_quantized import PackQuantizedConfig
+
+PACK_QUANTIZED = "pack-quantized"
+
+
+def compressed_tensors_config(raw: dict) -> QuantizationConfig:
+    """The config of a compressed-tensors checkpoint: FP8, or 4-bit pack-quantized."""
+    groups = list((raw.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ConfigError(f"compressed-tensors: expected one config group, got {len(groups)}")
+    if (groups[0].get("format") or raw.get("format")) != PACK_QUANTIZED:
+        return CompressedTensorsFp8Config.from_dict(raw)
+    if groups[0].get("input_activations"):
+        raise ConfigError(
+            "compressed-tensors pack-quantized: quantized input_activations are unsupported; "
+            "ATOM loads weight-only (W4A16) schemes"
+        )
+    return PackQuantizedConfig.from_dict(raw, groups[0].get("weights") or {})
 
 
 class CompressedTensorsFp8Config(_IgnoringConfig):
