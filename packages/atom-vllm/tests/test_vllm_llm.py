@@ -208,7 +208,6 @@ def test_gpt_oss_mxfp4_checkpoint_serves_as_its_dequantized_experts(runs):
     reference = result_of(runs, "GptOss-mxfp4-reference")
     for name in ("batch", "prefix_warm", "prefix_reuse"):
         assert tokens(mxfp4, name) == tokens(reference, name), name
-    assert "MXFP4 experts are dequantized to the model dtype at load" in mxfp4.log
 
 
 def test_fp8_kv_cache_gives_the_native_engine_fp8_tokens(runs, fp8_checkpoint):

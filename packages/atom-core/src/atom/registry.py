@@ -84,7 +84,7 @@ _ENTRIES = (
         "GptOssForCausalLM",
         "GPT-OSS (20B / 120B)",
         moe=True,
-        quant=("mxfp4 (experts dequantized at load)",),
+        quant=("mxfp4 (experts kept packed, dequantized in the MoE kernel)",),
     ),
     ModelEntry(
         "MiniMaxM2ForCausalLM",

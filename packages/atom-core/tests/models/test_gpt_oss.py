@@ -14,6 +14,7 @@ from tests.models.harness import (
     PagedModel,
     check_against_hf,
     check_greedy_generation,
+    make_prompts,
     write_checkpoint,
     write_with_random_vectors,
 )
@@ -68,12 +69,48 @@ def test_greedy_generation_matches_hf(tmp_path):
     check_greedy_generation(folder, prompt_lengths=[3, 11, 26], max_new_tokens=16)
 
 
-def test_mxfp4_experts_load_as_hf_dequantizes_them(tmp_path, caplog):
-    # MXFP4 groups 32 values along each input dim: the expert MLP must be a multiple.
+def mxfp4_pair(tmp_path):
+    """A tiny MXFP4 GPT-OSS checkpoint and its dequantized twin (as HF dequantizes it).
+    MXFP4 groups 32 values along each input dim: the expert MLP must be a multiple."""
     source = write_with_random_vectors(gpt_oss_config(intermediate_size=64), tmp_path / "src")
-    mxfp4, reference = write_mxfp4_pair(source, tmp_path)
+    return write_mxfp4_pair(source, tmp_path)
+
+
+def test_mxfp4_experts_stay_packed_and_match_hf_on_the_dequantized_twin(tmp_path):
+    mxfp4, reference = mxfp4_pair(tmp_path)
     check_against_hf(reference, prompt_lengths=[4, 18], decode_steps=2, atom_folder=mxfp4)
-    assert "MXFP4 experts are dequantized to the model dtype at load" in caplog.text
+    experts = PagedModel(mxfp4).model.model.layers[0].mlp.experts
+    assert not hasattr(experts, "w13_weight")
+    assert experts.w13_blocks.dtype == experts.w2_scales.dtype == torch.uint8
+    assert experts.w13_blocks.shape == (8, 2 * 64, 64 // 32, 16)  # 8 experts, hidden 64
+
+
+def generate(folder, prompts, device: str):
+    from atom import LLM, SamplingParams
+
+    llm = LLM(model=str(folder), dtype="float32", device=device, skip_tokenizer_init=True,
+              kv_cache_memory_bytes=64 << 20)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
+    return [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+)  # the torch reference (dequantized per call) and the Triton kernel (in registers)
+def test_mxfp4_engine_generates_as_the_dequantized_twin(tmp_path, device):
+    mxfp4, reference = mxfp4_pair(tmp_path)
+    prompts = make_prompts(SMALL["vocab_size"], [3, 17, 30], seed=5)
+    atol = 1e-5 if device == "cpu" else 1e-4  # Triton: the two paths tile their sums apart
+    for packed, dense in zip(
+        generate(mxfp4, prompts, device), generate(reference, prompts, device)
+    ):
+        assert packed.token_ids == dense.token_ids
+        for got, want in zip(packed.logprobs, dense.logprobs):
+            assert got.keys() == want.keys()
+            torch.testing.assert_close(
+                torch.tensor(list(got.values())), torch.tensor(list(want.values())),
+                atol=atol, rtol=0,
+            )  # fmt: skip
 
 
 def test_missing_sinks_name_the_tensor(tmp_path):

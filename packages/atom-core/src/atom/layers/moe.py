@@ -22,6 +22,8 @@ _W13_HALF = {"w1": 0, "w3": 1}
 
 
 class UnquantizedMoEMethod:
+    supports_bias = True
+
     def create_weights(
         self, layer: FusedMoE, num_experts: int, hidden: int, inter: int, dtype
     ) -> None:
@@ -96,9 +98,10 @@ class FusedMoE(nn.Module):
         )
         self.w13_bias = self.w2_bias = None
         if bias:
-            if not isinstance(self.quant_method, UnquantizedMoEMethod):
+            if not getattr(self.quant_method, "supports_bias", False):
                 raise ValueError(
-                    f"{prefix}: expert biases are only supported on unquantized experts"
+                    f"{prefix}: expert biases are not supported by "
+                    f"{type(self.quant_method).__name__}"
                 )
             dtype = torch.get_default_dtype()
             self.w13_bias = nn.Parameter(
@@ -169,11 +172,10 @@ class FusedMoE(nn.Module):
     def cuda_graph_safe(self) -> bool:
         """Whether the routing and expert kernels this layer dispatches to on its device can be
         captured (the torch fused-MoE reference loops over the experts that got tokens)."""
-        device = self.w13_weight.device
+        device = next(self.parameters()).device
         routing = "grouped_topk" if self.use_grouped_topk else "topk_softmax"
-        return device.type == "cuda" and all(
-            is_capturable(op, device) for op in (routing, "fused_moe")
-        )
+        experts = getattr(self.quant_method, "kernel_op", "fused_moe")
+        return device.type == "cuda" and all(is_capturable(op, device) for op in (routing, experts))
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.use_grouped_topk:

@@ -5,7 +5,8 @@ biases and GPT-OSS's clamped SwiGLU.
 
 HF checkpoints hold each layer's experts stacked and transposed (gate_up_proj [E, H, 2I]
 with gate and up columns interleaved, down_proj [E, I, H]), or as MXFP4 blocks and scales
-in the Linear layout; `load_weights` turns both into ATOM's per-expert tensors.
+in the Linear layout; `load_weights` turns both into ATOM's per-expert tensors, the MXFP4
+ones still packed (atom.layers.quantization.mxfp4).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from torch import nn
 from atom.kernels.activation import ClampedSwiGLU
 from atom.layers.linear import ReplicatedLinear
 from atom.layers.moe import FusedMoE
-from atom.layers.quantization.mxfp4 import Mxfp4Config, dequantize_mxfp4
 from atom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 # transformers < 5.24 has no config fields for these and uses the released models' values.
@@ -44,8 +44,7 @@ class GptOssMoE(nn.Module):
             renormalize=True,  # softmax over the top-k logits
             activation=activation,
             bias=True,
-            # MXFP4 experts arrive dequantized (GptOssForCausalLM.load_weights).
-            quant_config=None if isinstance(quant_config, Mxfp4Config) else quant_config,
+            quant_config=quant_config,
             prefix=f"{prefix}.experts",
         )
 
@@ -81,9 +80,8 @@ def per_expert_tensors(
     weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint stream with each stacked expert tensor split into per-expert gate, up
-    and down tensors (`experts.{e}.gate_proj.weight`, ...) in the Linear layout, MXFP4
-    blocks and scales dequantized; other tensors pass through."""
-    pending_mxfp4: dict[str, dict[str, torch.Tensor]] = {}
+    and down tensors (`experts.{e}.gate_proj.weight`, MXFP4 `experts.{e}.gate_proj.blocks`
+    and `.scales`, ...) in the Linear layout; other tensors pass through."""
     for name, tensor in weights:
         experts, sep, tensor_name = name.rpartition("experts.")
         if not sep or "." in tensor_name:
@@ -92,26 +90,20 @@ def per_expert_tensors(
         prefix = experts + sep
         if tensor_name.endswith(("_blocks", "_scales")):
             projection, _, part = tensor_name.rpartition("_")
-            pair = pending_mxfp4.setdefault(prefix + projection, {})
-            pair[part] = tensor
-            if len(pair) == 2:
-                del pending_mxfp4[prefix + projection]
-                linear = dequantize_mxfp4(pair["blocks"], pair["scales"])
-                yield from _split(prefix, projection, linear, "weight")
+            yield from _split(prefix, projection, tensor, part)
         elif tensor_name in ("gate_up_proj", "down_proj"):
             yield from _split(prefix, tensor_name, tensor.transpose(1, 2), "weight")
         elif tensor_name in ("gate_up_proj_bias", "down_proj_bias"):
             yield from _split(prefix, tensor_name.removesuffix("_bias"), tensor, "bias")
         else:
             yield name, tensor
-    if pending_mxfp4:
-        raise ValueError(f"MXFP4 tensors without their blocks or scales: {sorted(pending_mxfp4)}")
 
 
 def _split(
     prefix: str, projection: str, stacked: torch.Tensor, kind: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """stacked [E, N, ...] in the Linear layout (gate_up rows interleaved: gate, up, ...)."""
+    """stacked [E, N, ...] in the Linear layout (gate_up rows interleaved: gate, up, ...;
+    for MXFP4 a row is its [K/32, 16] blocks or [K/32] scales)."""
     for expert, rows in enumerate(stacked):
         if projection == "gate_up_proj":
             yield f"{prefix}{expert}.gate_proj.{kind}", rows[0::2]

@@ -19,7 +19,7 @@ def quantize_mxfp4(linear):
     shared exponent puts each group's largest value at or below e2m1's 6.0)."""
     import torch
 
-    from atom.layers.quantization.mxfp4 import E2M1_MAGNITUDES
+    from atom.kernels.moe_mxfp4 import E2M1_MAGNITUDES
 
     codes_by_value = torch.tensor(E2M1_MAGNITUDES)
     groups = linear.float().unflatten(-1, (-1, 32))

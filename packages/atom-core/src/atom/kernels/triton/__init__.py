@@ -4,6 +4,7 @@ from atom.kernels.triton import (
     activation,
     fp8,
     fused_moe,
+    fused_moe_mxfp4,
     fused_qkv,
     kv_cache,
     mla,  # noqa: F401  (registers the MLA kernels)
@@ -18,6 +19,7 @@ __all__ = [
     "activation",
     "fp8",
     "fused_moe",
+    "fused_moe_mxfp4",
     "fused_qkv",
     "kv_cache",
     "moe_routing",

@@ -80,6 +80,48 @@ def _scale_ptrs(scale_base, b_rows, stride_bsn, SCALES: tl.constexpr, GROUP_N: t
 
 
 @triton.jit
+def program_block(block_expert_ptr, max_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(M-block, N-tile, expert) of this program. GROUP_M M-blocks sweep each N-tile before
+    the next one starts, so their weight tiles are still in L2."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    blocks_per_group = GROUP_M * num_pid_n
+    first_m = (pid // blocks_per_group) * GROUP_M
+    group_rows = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % blocks_per_group) % group_rows
+    pid_n = (pid % blocks_per_group) // group_rows
+    return pid_m, pid_n, tl.load(block_expert_ptr + pid_m)
+
+
+@triton.jit
+def store_rows(
+    acc, acc_up, c_ptr, stride_cm, rows, row_ok, cols, N, expert_bias_ptr, up_offset,
+    routing_weights_ptr, swiglu_alpha, swiglu_limit,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
+    APPLY_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """The epilogue of both GEMMs: C[rows, cols] = weight[row] * act(acc + bias), where a
+    gated GEMM's act combines gate (acc) and up (acc_up, bias entries up_offset further)."""
+    if HAS_BIAS:
+        col_ok = cols < N
+        acc += tl.load(expert_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up_bias = tl.load(expert_bias_ptr + up_offset + cols, mask=col_ok, other=0.0)
+            acc_up += up_bias.to(tl.float32)[None, :]
+    if GATED:
+        if CLAMPED_SWIGLU:
+            gate = tl.minimum(acc, swiglu_limit)
+            up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+            acc = (up + 1) * gate * tl.sigmoid(swiglu_alpha * gate)
+        else:
+            acc = acc * tl.sigmoid(acc) * acc_up
+    if APPLY_WEIGHT:
+        acc *= tl.load(routing_weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, routing_weights_ptr,
     sorted_rows_ptr, block_expert_ptr,
@@ -102,14 +144,7 @@ def _moe_gemm_kernel(
     into one 2 * BLOCK_N wide tile and one dot, split apart after the K loop.
     HAS_BIAS adds bias[expert, b_row] before the activation and the routing weight.
     APPLY_WEIGHT scales row r by routing_weights[r]."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    blocks_per_group = GROUP_M * num_pid_n
-    first_m = (pid // blocks_per_group) * GROUP_M
-    group_rows = tl.minimum(max_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % blocks_per_group) % group_rows
-    pid_n = (pid % blocks_per_group) // group_rows
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert = program_block(block_expert_ptr, max_blocks, N, BLOCK_N, GROUP_M)
     if expert >= num_experts:  # past the last used block
         return
     expert = expert.to(tl.int64)
@@ -161,28 +196,16 @@ def _moe_gemm_kernel(
             acc_up *= tl.load(up_scale_ptrs, mask=b_ok, other=0.0)[None, :]
     if GATING == 2:  # MMA accumulators hold adjacent column pairs per thread
         acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    if HAS_BIAS:
-        bias_row = bias_ptr + expert * stride_bias_e
-        col_ok = cols < N
-        acc += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if GATING != 0:
-            up_bias = tl.load(bias_row + up_offset + cols, mask=col_ok, other=0.0)
-            acc_up += up_bias.to(tl.float32)[None, :]
-    if GATING != 0:
-        if CLAMPED_SWIGLU:
-            gate = tl.minimum(acc, swiglu_limit)
-            up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
-            acc = (up + 1) * gate * tl.sigmoid(swiglu_alpha * gate)
-        else:
-            acc = acc * tl.sigmoid(acc) * acc_up
-    if APPLY_WEIGHT:
-        acc *= tl.load(routing_weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+    store_rows(
+        acc, acc_up, c_ptr, stride_cm, rows, row_ok, cols, N, bias_ptr + expert * stride_bias_e,
+        up_offset, routing_weights_ptr, swiglu_alpha, swiglu_limit,
+        GATED=GATING != 0, HAS_BIAS=HAS_BIAS, CLAMPED_SWIGLU=CLAMPED_SWIGLU,
+        APPLY_WEIGHT=APPLY_WEIGHT,
+    )  # fmt: skip
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -201,7 +224,7 @@ def pick_config(
         # narrow N-tiles where wide ones would leave SMs idle. FP8 halves the bytes per
         # stage, and three stages beat four there (H200 sweep, T=64: 0.25 vs 0.38 ms).
         used_blocks = min(num_rows, num_experts)
-        wide = used_blocks * triton.cdiv(inter, 64) >= 2 * _num_sms(device)
+        wide = used_blocks * triton.cdiv(inter, 64) >= 2 * num_sms(device)
         deep = 3 if fp32 or fp8_block else 4
         return MoEConfig.same(16, 64 if wide else 32, block_k if fp32 else 128, 1, 4, deep)
     if rows_per_expert <= 64:

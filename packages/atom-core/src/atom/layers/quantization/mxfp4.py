@@ -1,62 +1,74 @@
 """MXFP4 checkpoints (GPT-OSS): experts stored as 4-bit e2m1 values in groups of 32 that
-share one e8m0 power-of-two scale; every other layer is unquantized.
+share one e8m0 power-of-two scale (atom.kernels.moe_mxfp4); every other layer is
+unquantized.
 
-ATOM dequantizes the experts while loading (`dequantize_mxfp4`) and runs them in the
-model dtype; an MXFP4 MoE kernel that keeps them packed is issue #22.
+The experts stay packed on the device and run through `fused_moe_mxfp4`: Triton
+dequantizes each weight tile in registers on GPUs; the torch reference (CPU) dequantizes
+the experts a call routes to, per call.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
+from torch import nn
 
-from atom.layers.quantization.base import LinearMethod, QuantizationConfig
+from atom.kernels.moe_mxfp4 import MXFP4_GROUP, fused_moe_mxfp4
+from atom.layers.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
 from atom.layers.quantization.unquantized import UnquantizedLinearMethod
 
-logger = logging.getLogger(__name__)
 
-# e2m1 code -> magnitude (codes 8-15: the same, negative): 2 exponent bits, 1 mantissa bit.
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E8M0_BIAS = 127
+class Mxfp4MoEMethod:
+    """Experts as blocks [E, N, K/32, 16] and scales [E, N, K/32] (uint8) per projection:
+    w13 (N = gate rows then up rows, K = hidden) and w2 (N = hidden, K = intermediate).
+    Tensor parallelism splits w13 along N, as for unquantized experts, and w2 along K in
+    whole groups of 32, so each rank's intermediate size must be a multiple of 32."""
 
+    supports_bias = True
+    kernel_op = "fused_moe_mxfp4"
 
-def dequantize_mxfp4(
-    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """blocks [..., G, 16] uint8 (two codes per byte, low nibble first) and scales [..., G]
-    uint8 (biased exponents) -> [..., G * 32] values in `dtype`."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(
-            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
-            "pair up (blocks [..., G, 16], scales [..., G])"
-        )
-    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=blocks.device)
-    values = torch.cat([magnitudes, -magnitudes])
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()
-    exponents = scales.to(torch.int32) - _E8M0_BIAS
-    out = torch.ldexp(values[codes], exponents.unsqueeze(-1))
-    return out.flatten(-2).to(dtype)
+    def create_weights(self, layer, num_experts: int, hidden: int, inter: int, dtype) -> None:
+        if hidden % MXFP4_GROUP or inter % MXFP4_GROUP:
+            raise ValueError(
+                f"{layer.prefix}: MXFP4 experts group {MXFP4_GROUP} values along each input, "
+                f"so hidden_size ({hidden}) and the intermediate size per rank ({inter}: "
+                f"intermediate_size / tensor parallel size {layer.tp.world_size}) must be "
+                f"multiples of {MXFP4_GROUP}"
+            )
+        shapes = {
+            "w13": ((num_experts, 2 * inter, hidden // MXFP4_GROUP), 1),
+            "w2": ((num_experts, hidden, inter // MXFP4_GROUP), MXFP4_GROUP),
+        }
+        for projection, (scale_shape, shard_block) in shapes.items():
+            for part, shape in (("blocks", (*scale_shape, MXFP4_GROUP // 2)),
+                                ("scales", scale_shape)):  # fmt: skip
+                param = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+                set_weight_attrs(param, weight_loader=layer.weight_loader, shard_block=shard_block)
+                layer.register_parameter(f"{projection}_{part}", param)
+
+    def apply(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
+        return fused_moe_mxfp4(
+            x, layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales,
+            topk_weights, topk_ids, layer.activation,
+            w13_bias=layer.w13_bias, w2_bias=layer.w2_bias,
+        )  # fmt: skip
+
+    def process_weights_after_loading(self, layer) -> None:
+        pass
 
 
 class Mxfp4Config(QuantizationConfig):
-    """Unquantized dense layers; experts are the model's to dequantize on load."""
+    """Unquantized dense layers; packed MXFP4 experts."""
 
     name = "mxfp4"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Mxfp4Config:
-        logger.warning(
-            "MXFP4 experts are dequantized to the model dtype at load (no MXFP4 MoE kernel "
-            "yet): expert weights take 4x their checkpoint size in memory"
-        )
         return cls()
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return UnquantizedLinearMethod()
 
-    def moe_method(self, prefix: str):
-        raise NotImplementedError(
-            f"{prefix}: MXFP4 experts are supported for GptOssForCausalLM checkpoints only"
-        )
+    def moe_method(self, prefix: str) -> Mxfp4MoEMethod:
+        return Mxfp4MoEMethod()
