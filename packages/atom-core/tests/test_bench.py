@@ -326,6 +326,24 @@ def test_atom_bench_end_to_end_on_cpu(tmp_path, capsys, monkeypatch, profile):
         assert "no GPU kernels in the trace" in printed
 
 
+def test_atom_bench_prints_the_window_only_kv_saving(tmp_path, capsys, monkeypatch):
+    """tiny-gpt-oss: one full layer and one of window 16; 2x40->24 runs 64-token
+    sequences in 16-token pages: 4 full pages and 2 window pages of one layer each, where
+    the full layout needs 4 pages of both layers."""
+    monkeypatch.setenv("PYTHONPATH", ":".join(p for p in sys.path if p))
+    out = tmp_path / "out"
+    argv = ["bench", "--engines", "atom", "--shapes", "tiny-gpt-oss", "--workloads", "2x40->24"]
+    main(argv + ["--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(out)])
+    (result,) = json.loads((out / "bench.json").read_text())["results"]
+    assert result["kv_groups"] == "1 full-attention layer, 1 sliding-window(16) layer"
+    assert result["context_len"] == 64
+    # One layer's page: 16 tokens x 2 KV heads x 32 dims x (K, V) x 4 bytes = 8 KiB.
+    assert result["kv_bytes_per_token"] == 6 * 8192 / 64
+    assert result["kv_bytes_per_token_full_layout"] == 4 * 2 * 8192 / 64
+    assert result["kv_saving"] == pytest.approx(8 / 6, abs=1e-3)
+    assert "KV cache 768 bytes/token at 64 tokens" in capsys.readouterr().out
+
+
 def test_a_failing_engine_is_reported_and_fails_the_command(tmp_path, capsys, monkeypatch):
     """A broken host (here a stand-in vllm package that cannot import) leaves an error row
     in the JSON, its log tail on screen, and a non-zero exit."""

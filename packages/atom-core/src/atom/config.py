@@ -145,6 +145,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # a key of KV_CACHE_DTYPES
+    # Sliding-window layers keep only their window's pages (atom.engine.kv_groups);
+    # False: every layer keeps every page, as full attention does.
+    window_only_kv: bool = True
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

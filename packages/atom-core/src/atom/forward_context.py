@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -27,6 +27,10 @@ class AttentionMetadata:
     positions:       [T] int64, position of each new token; set by hosts whose attention
                      op carries only q/k/v (vLLM), for impls that rotate q/k in the
                      kernel that writes the cache.
+    kv_group_tables: one (block_table, slot_mapping) per KV-cache group, where the
+                     layers keep different pages (the native engine's sliding-window
+                     layers keep only their window's); entry 0 is block_table and
+                     slot_mapping. None: every layer reads those two.
     """
 
     query_start_loc: torch.Tensor
@@ -41,6 +45,28 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    kv_group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    _group_views: dict[int, AttentionMetadata] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def for_kv_group(self, group: int) -> AttentionMetadata:
+        """The step as a layer of KV-cache group `group` sees it: that group's block table
+        and slot mapping (built once per step and group; every layer of the group asks)."""
+        if group == 0:
+            return self
+        view = self._group_views.get(group)
+        if view is None:
+            num_groups = len(self.kv_group_tables or ((self.block_table, self.slot_mapping),))
+            if not 0 < group < num_groups:
+                raise ValueError(
+                    f"kv_group={group}: the step's metadata has tables for {num_groups} "
+                    "KV-cache group(s) (kv_group_tables)"
+                )
+            table, slots = self.kv_group_tables[group]
+            view = replace(self, block_table=table, slot_mapping=slots, kv_group_tables=None)
+            self._group_views[group] = view
+        return view
 
     @property
     def num_seqs(self) -> int:

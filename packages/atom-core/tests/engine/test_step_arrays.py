@@ -19,20 +19,20 @@ def random_batch(rng: random.Random, num_decodes: int, num_prefills: int) -> lis
     for query_len in [1] * num_decodes + [rng.randint(2, 9) for _ in range(num_prefills)]:
         start = rng.randint(0, 20)
         pages = rng.sample(range(100), -(-(start + query_len) // BLOCK) + rng.randint(0, 1))
-        batch.append(StepInput([rng.randrange(50) for _ in range(query_len)], start, pages))
+        batch.append(StepInput([rng.randrange(50) for _ in range(query_len)], start, [pages]))
     return batch
 
 
 def reference(batch: list[StepInput]) -> AttentionMetadata:
     slots = [
-        item.block_table[p // BLOCK] * BLOCK + p % BLOCK
+        item.block_tables[0][p // BLOCK] * BLOCK + p % BLOCK
         for item in batch
         for p in range(item.start_position, item.start_position + len(item.token_ids))
     ]
     return AttentionMetadata.build(
         query_lens=[len(item.token_ids) for item in batch],
         seq_lens=[item.start_position + len(item.token_ids) for item in batch],
-        block_tables=[item.block_table for item in batch],
+        block_tables=[item.block_tables[0] for item in batch],
         slot_mapping=slots,
     )
 
@@ -55,12 +55,12 @@ def test_step_arrays_match_per_sequence_build():
 
 def test_short_block_table_is_an_error():
     try:
-        build_step_arrays([StepInput([1, 2, 3], 2, [7])], BLOCK)
+        build_step_arrays([StepInput([1, 2, 3], 2, [[7]])], BLOCK)
     except ValueError as exc:
         assert "cannot hold 5 tokens" in str(exc)
     else:
         raise AssertionError("expected a ValueError")
-    assert np.array_equal(build_step_arrays([StepInput([1], 3, [7])], BLOCK).slot_mapping, [31])
+    assert np.array_equal(build_step_arrays([StepInput([1], 3, [[7]])], BLOCK).slot_mapping, [[31]])
 
 
 def test_staged_buffers_views_and_partial_upload():

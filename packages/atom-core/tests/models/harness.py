@@ -144,9 +144,9 @@ def check_against_hf(
 
     start = [0] * len(seqs)
     if cached_prefix:
-        paged.runner.run([StepInput(seqs[0][:cached_prefix], 0, tables[0])])
+        paged.runner.run([StepInput(seqs[0][:cached_prefix], 0, [tables[0]])])
         start[0] = cached_prefix
-    batch = [StepInput(s[start[i] :], start[i], tables[i]) for i, s in enumerate(seqs)]
+    batch = [StepInput(s[start[i] :], start[i], [tables[i]]) for i, s in enumerate(seqs)]
     logits = paged.runner.run(batch, all_positions=True)
     offset = 0
     for i, s in enumerate(seqs):
@@ -158,7 +158,7 @@ def check_against_hf(
         batch = []
         for i, s in enumerate(seqs):
             s.append(next_tokens[i])
-            batch.append(StepInput([next_tokens[i]], len(s) - 1, tables[i]))
+            batch.append(StepInput([next_tokens[i]], len(s) - 1, [tables[i]]))
         logits = paged.runner.run(batch)
         for i, s in enumerate(seqs):
             compare(logits[i : i + 1], s, slice(len(s) - 1, len(s)))

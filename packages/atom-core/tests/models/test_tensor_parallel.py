@@ -34,12 +34,12 @@ def run_prefill_and_decode(folder: str) -> torch.Tensor:
     prompts = make_prompts(config.hf_config.vocab_size, [13, 6])
     tables = [list(range(0, 8)), list(range(8, 16))]
     outputs = [
-        runner.run([StepInput(p, 0, t) for p, t in zip(prompts, tables)], all_positions=True)
+        runner.run([StepInput(p, 0, [t]) for p, t in zip(prompts, tables)], all_positions=True)
     ]
     lengths = [len(p) for p in prompts]
     for step in range(2):
         tokens = [(7 * step + i) % config.hf_config.vocab_size for i in range(2)]
-        batch = [StepInput([tok], n, t) for tok, n, t in zip(tokens, lengths, tables)]
+        batch = [StepInput([tok], n, [t]) for tok, n, t in zip(tokens, lengths, tables)]
         outputs.append(runner.run(batch))
         lengths = [n + 1 for n in lengths]
     return torch.cat(outputs)

@@ -136,7 +136,7 @@ def test_fp8_checkpoint_matches_dequantized_reference(tmp_path, scheme):
     from atom.engine.model_runner import StepInput
 
     table = paged.pages_for([], len(prompt))
-    atom_logits = paged.runner.run([StepInput(prompt, 0, table)], all_positions=True)
+    atom_logits = paged.runner.run([StepInput(prompt, 0, [table])], all_positions=True)
     with torch.inference_mode():
         # HF runs the whole prompt at once; for per-tensor activation scales the scale is
         # over all tokens of a GEMM, which is the same set of tokens in both runs.

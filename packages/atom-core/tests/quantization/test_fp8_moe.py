@@ -52,7 +52,7 @@ def test_fp8_moe_checkpoint_matches_dequantized_reference(tmp_path, scheme):
     assert experts.w13_weight.dtype == torch.float8_e4m3fn
     prompt = make_prompts(256, [13])[0]
     atom_logits = paged.runner.run(
-        [StepInput(prompt, 0, paged.pages_for([], len(prompt)))], all_positions=True
+        [StepInput(prompt, 0, [paged.pages_for([], len(prompt))])], all_positions=True
     )
     with torch.inference_mode():
         expected = load_hf(ref_dir)(input_ids=torch.tensor([prompt])).logits[0]

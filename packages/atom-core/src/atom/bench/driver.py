@@ -71,6 +71,11 @@ class AtomEngine:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
+    def kv_report(self, context_len: int) -> dict:
+        """KV bytes per token of `context_len`-token sequences, as allocated (sliding-window
+        layers keep only their window's pages) and as the full layout would need."""
+        return self.llm.engine.kv_layout.report(context_len)
+
     trace = staticmethod(in_process_trace)
 
 
@@ -197,6 +202,8 @@ def run(job: dict) -> None:
             "repeats": repeats,
             "output_tok_s_runs": [r["output_tok_s"] for r in runs],
         }
+        if hasattr(engine, "kv_report"):
+            result |= engine.kv_report(workload.input_len + workload.output_len)
         emit("result", workload=workload.name, **result)
     if hasattr(engine, "close"):
         engine.close()

@@ -244,6 +244,8 @@ def run_engine(
                         f"{where}: {event['workload']}: {event['output_tok_s']:,.1f} output tok/s"
                         f"{gb_s} ({event['time_s']:.2f} s{spread})"
                     )
+                    if "kv_bytes_per_token" in event:
+                        clock.say(f"{where}: {event['workload']}: {kv_saving_line(event)}")
             elif line:
                 log.write(line)
             if now - last_beat >= HEARTBEAT_S:
@@ -277,6 +279,16 @@ def run_engine(
             row["error"] = f"no result; see {log_path}"
         rows.append(row)
     return rows
+
+
+def kv_saving_line(event: dict) -> str:
+    """ATOM's KV memory per token against the full layout, for the workload's lengths."""
+    return (
+        f"KV cache {event['kv_bytes_per_token']:,.0f} bytes/token at "
+        f"{event['context_len']} tokens ({event['kv_groups']}); the full layout (every layer "
+        f"every page): {event['kv_bytes_per_token_full_layout']:,.0f} bytes/token, "
+        f"{event['kv_saving']:.2f}x as much"
+    )
 
 
 def resolve(args: argparse.Namespace) -> None:

@@ -238,7 +238,13 @@ SHAPES = {
             tie_word_embeddings=False,
         ),
     ),
-    # For tests and CPU smoke runs.
+    # For tests and CPU smoke runs; tiny-gpt-oss has a 16-token window.
+    "tiny-gpt-oss": Shape(
+        "tiny-gpt-oss",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        tiny_fields("GptOssForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=48),
+    ),
     "tiny": Shape(
         "tiny",
         "Qwen3Config",

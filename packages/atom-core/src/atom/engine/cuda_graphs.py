@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from atom.engine.staged_buffers import StagedBuffers
-from atom.engine.step_arrays import StepArrays, TokenFeed
+from atom.engine.step_arrays import StepArrays, TokenFeed, kv_group_tables
 from atom.forward_context import AttentionMetadata, set_forward_context
 
 
@@ -27,20 +27,29 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(
-        self, model: nn.Module, max_batch_size: int, max_blocks: int, block_size: int, device
+        self,
+        model: nn.Module,
+        max_batch_size: int,
+        max_blocks: int,
+        block_size: int,
+        device,
+        num_kv_groups: int = 1,
     ):
+        """num_kv_groups: block tables and slot mappings per sequence (kv_groups.py)."""
         self.max_batch_size = max_batch_size
         self.max_blocks = max_blocks
         self.block_size = block_size
-        n = max_batch_size
+        self.num_kv_groups = num_kv_groups
+        n, groups = max_batch_size, num_kv_groups
         self.inputs = StagedBuffers(
             {
                 "input_ids": (torch.int64, (n,)),
                 "positions": (torch.int64, (n,)),
-                "slot_mapping": (torch.int64, (n,)),
+                "slot_mapping": (torch.int64, (groups, n)),
                 "seq_lens": (torch.int32, (n,)),
                 "query_start_loc": (torch.int32, (n + 1,)),
-                "block_table": (torch.int32, (n, max_blocks)),  # last: uploads stop at row bs
+                # Last: uploads stop at row bs.
+                "block_table": (torch.int32, (n, groups, max_blocks)),
             },
             device,
         )
@@ -55,11 +64,13 @@ class DecodeGraphs:
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         d = self.inputs.device
+        table, slots = d["block_table"][:bs], d["slot_mapping"][:, :bs]
         return AttentionMetadata(
             query_start_loc=d["query_start_loc"][: bs + 1],
             seq_lens=d["seq_lens"][:bs],
-            block_table=d["block_table"][:bs],
-            slot_mapping=d["slot_mapping"][:bs],
+            block_table=table[:, 0],
+            slot_mapping=slots[0],
+            kv_group_tables=kv_group_tables(table, slots),
             num_decodes=bs,
             num_decode_tokens=bs,
             max_query_len=1,
@@ -83,7 +94,8 @@ class DecodeGraphs:
     def can_run(self, arrays: StepArrays) -> bool:
         return (
             arrays.num_decodes == arrays.num_seqs <= self.max_batch_size
-            and arrays.block_table.shape[1] <= self.max_blocks
+            and arrays.block_table.shape[1] == self.num_kv_groups
+            and arrays.block_table.shape[2] <= self.max_blocks
         )
 
     def run(self, arrays: StepArrays, feed: TokenFeed | None = None) -> torch.Tensor:
@@ -93,16 +105,16 @@ class DecodeGraphs:
         host = self.inputs.host()
         host["input_ids"][:n] = arrays.input_ids
         host["positions"][:n] = arrays.positions
-        host["slot_mapping"][:n] = arrays.slot_mapping
+        host["slot_mapping"][:, :n] = arrays.slot_mapping
         host["seq_lens"][:n] = arrays.seq_lens
         # Entries past a row's last page are never read (seq_lens bounds them), so stale
         # values from earlier steps may stay; padding rows read page 0 and write nowhere.
-        host["block_table"][:n, : arrays.block_table.shape[1]] = arrays.block_table
+        host["block_table"][:n, :, : arrays.block_table.shape[2]] = arrays.block_table
         host["input_ids"][n:bs] = 0
         host["positions"][n:bs] = 0
-        host["slot_mapping"][n:bs] = -1
+        host["slot_mapping"][:, n:bs] = -1
         host["seq_lens"][n:bs] = 1
-        host["block_table"][n:bs, 0] = 0
+        host["block_table"][n:bs, :, 0] = 0
         self.inputs.upload(self.inputs.end_of("block_table", bs))
         if feed is not None:
             feed.apply(self.inputs.device["input_ids"])

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from atom.config import ConfigError, EngineConfig
 from atom.distributed import SingleProcessGroup, TorchDistributedGroup, set_tp_group
+from atom.engine.kv_groups import KVCacheLayout, plan_kv_groups
 from atom.engine.model_runner import (
     ModelRunner,
     StepInput,
@@ -56,10 +57,20 @@ class _Shard:
         self.cache_dtype = config.cache.cache_dtype(config.model.dtype)
         if self.cache_dtype == FP8_KV_CACHE_DTYPE:
             check_fp8_kv_cache(self.model, self.device, log=rank == 0)
+        self.kv_groups = plan_kv_groups(
+            self.model, config.model.max_model_len, config.cache.window_only_kv
+        )
+
+    def page_bytes(self, full_layout: bool = False) -> int:
+        """One page's bytes in the grouped layout, or with every layer keeping every page."""
+        groups = None if full_layout else self.kv_groups
+        return kv_cache_bytes_per_block(
+            self.model, self.config.cache.block_size, self.cache_dtype, groups
+        )
 
     def blocks_from_memory(self) -> int:
-        cache, dtype = self.config.cache, self.cache_dtype
-        per_block = kv_cache_bytes_per_block(self.model, cache.block_size, dtype)
+        cache = self.config.cache
+        per_block = self.page_bytes()
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -77,8 +88,11 @@ class _Shard:
 
     def allocate(self, num_blocks: int) -> ModelRunner:
         config, cache = self.config, self.config.cache
-        allocate_kv_cache(self.model, num_blocks, cache.block_size, self.cache_dtype, self.device)
-        runner = ModelRunner(self.model, cache.block_size, self.device)
+        allocate_kv_cache(
+            self.model, num_blocks, cache.block_size, self.cache_dtype, self.device,
+            self.kv_groups,
+        )  # fmt: skip
+        runner = ModelRunner(self.model, cache.block_size, self.device, len(self.kv_groups))
         if config.use_cuda_graphs:
             runner.capture_cuda_graphs(config.max_num_seqs, config.model.max_model_len)
         return runner
@@ -117,6 +131,13 @@ class Executor:
         self.model = shard.model
         self.cache_dtype = shard.cache_dtype
         self.num_blocks = config.cache.num_blocks or shard.blocks_from_memory()
+        self.kv_layout = KVCacheLayout(
+            shard.kv_groups,
+            self.num_blocks,
+            config.cache.block_size,
+            shard.page_bytes(),
+            shard.page_bytes(full_layout=True),
+        )
         self._broadcast(self.num_blocks)
         self.runner = shard.allocate(self.num_blocks)
 

@@ -55,8 +55,12 @@ class LLMEngine:
         self.detokenizer = Detokenizer(tokenizer)
         self.executor = Executor(config)
         self.model = self.executor.model
+        self.kv_layout = self.executor.kv_layout
         self.block_manager = BlockManager(
-            self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.executor.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            self.kv_layout.windows,
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -69,11 +73,13 @@ class LLMEngine:
             async_scheduling = config.device.startswith("cuda")
         self.async_scheduling = async_scheduling and config.parallel.tensor_parallel_size == 1
         self._in_flight: _Step | None = None
-        logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%s)",
-            self.executor.num_blocks,
-            config.cache.block_size,
-            self.executor.num_blocks * config.cache.block_size,
+        logger.info("%s", self.kv_cache_summary())
+
+    def kv_cache_summary(self) -> str:
+        """The KV pool in one line; with sliding-window groups, what it holds of
+        max_model_len sequences against the full layout."""
+        return self.kv_layout.summary(
+            self.config.model.max_model_len,
             str(self.executor.cache_dtype).removeprefix("torch."),
         )
 
@@ -99,11 +105,15 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
         if any(t >= vocab for t in params.logit_bias or ()):
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if min(max_len, len(ids) + (params.max_tokens or max_len)) > capacity:
+        longest = min(max_len, len(ids) + (params.max_tokens or max_len))
+        # A recomputed (preempted) sequence may run as one chunk of up to the token budget.
+        bm = self.block_manager
+        pages = bm.pages_held(longest, min(longest, self.config.max_num_batched_tokens))
+        if pages > bm.num_blocks:
             raise ValueError(
-                f"a sequence of up to {min(max_len, len(ids) + (params.max_tokens or max_len))} tokens "
-                f"does not fit the KV cache ({capacity} tokens); lower max_tokens or enlarge the cache"
+                f"a sequence of up to {longest} tokens needs {pages} KV blocks at once and "
+                f"does not fit the KV cache ({bm.num_blocks} blocks of {bm.block_size} "
+                "tokens); lower max_tokens or enlarge the cache"
             )
 
     def add_request(
@@ -353,7 +363,7 @@ class _StepPlan:
         for seq, n in zip(seqs, num_new_tokens):
             self.token_starts.append(offset)
             start = seq.num_computed_tokens
-            self.inputs.append(StepInput(seq.token_ids[start : start + n], start, seq.block_table))
+            self.inputs.append(StepInput(seq.token_ids[start : start + n], start, seq.block_tables))
             if seq.prompt_logprobs is not None:
                 # Positions whose next prompt token has no entry yet (a preempted sequence
                 # recomputes positions it already recorded).

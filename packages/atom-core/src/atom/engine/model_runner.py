@@ -13,6 +13,7 @@ from torch import nn
 from atom.config import ConfigError, ModelConfig
 from atom.cuda_graphs import graph_blockers
 from atom.engine.cuda_graphs import DecodeGraphs
+from atom.engine.kv_groups import KVCacheGroup, attention_impls, shared_slots
 from atom.engine.step_arrays import StepInput, TokenFeed, build_step_arrays, upload
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.kv_cache import fp8_kv_cache_unsupported
@@ -44,10 +45,6 @@ def build_model(
     return model.eval()
 
 
-def attention_impls(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "bind_kv_cache")]
-
-
 def check_fp8_kv_cache(model: nn.Module, device: torch.device, log: bool = True) -> None:
     """Raises ConfigError where an fp8 KV cache cannot run; logs when every scale is 1.0."""
     impls = attention_impls(model)
@@ -60,35 +57,65 @@ def check_fp8_kv_cache(model: nn.Module, device: torch.device, log: bool = True)
         )
 
 
+def _groups(model: nn.Module, groups: list[KVCacheGroup] | None) -> list[KVCacheGroup]:
+    return groups or [KVCacheGroup(None, tuple(attention_impls(model)))]
+
+
 def allocate_kv_cache(
-    model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device
+    model: nn.Module,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device,
+    groups: list[KVCacheGroup] | None = None,
 ) -> int:
-    """Gives every attention layer its cache tensors; returns the bytes allocated."""
+    """Gives every attention layer its cache tensors; returns the bytes allocated.
+
+    With `groups` (kv_groups.plan_kv_groups), the j-th layers of the groups share one
+    set of tensors, and each layer reads its group's block table; default: one group,
+    every layer its own tensors.
+    """
     total = 0
-    for impl in attention_impls(model):
+    for members in shared_slots(_groups(model, groups)):
         tensors = [
             torch.zeros(shape, dtype=dtype, device=device)
-            for shape in impl.kv_cache_shapes(num_blocks, block_size)
+            for shape in members[0][1].kv_cache_shapes(num_blocks, block_size)
         ]
-        impl.bind_kv_cache(*tensors)
+        for group, impl in members:
+            # The first group reads the metadata's own block table, as every layer of a
+            # one-group model (and every impl kind) does.
+            impl.bind_kv_cache(*tensors, **({"kv_group": group} if group else {}))
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
 
 
-def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(
+    model: nn.Module,
+    block_size: int,
+    dtype: torch.dtype,
+    groups: list[KVCacheGroup] | None = None,
+) -> int:
+    """Bytes of one page over all cache tensors (allocate_kv_cache's layout)."""
     per_element = torch.empty((), dtype=dtype).element_size()
     total = 0
-    for impl in attention_impls(model):
-        for shape in impl.kv_cache_shapes(1, block_size):
+    for members in shared_slots(_groups(model, groups)):
+        for shape in members[0][1].kv_cache_shapes(1, block_size):
             total += per_element * torch.Size(shape).numel()
     return total
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, block_size: int, device: torch.device | str):
+    def __init__(
+        self,
+        model: nn.Module,
+        block_size: int,
+        device: torch.device | str,
+        num_kv_groups: int = 1,
+    ):
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        self.num_kv_groups = num_kv_groups
         self.decode_graphs = None
 
     def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
@@ -100,8 +127,9 @@ class ModelRunner:
             return
         max_blocks = -(-max_model_len // self.block_size)
         self.decode_graphs = DecodeGraphs(
-            self.model, max_batch_size, max_blocks, self.block_size, self.device
-        )
+            self.model, max_batch_size, max_blocks, self.block_size, self.device,
+            self.num_kv_groups,
+        )  # fmt: skip
 
     def prepare(
         self, batch: list[StepInput]

@@ -4,6 +4,8 @@ Running sequences (decodes and unfinished chunked prefills) go first, then waiti
 under a token budget (`max_num_batched_tokens`, which chunks long prefills) and a cap on
 concurrent sequences. When pages run out, the most recently admitted sequence is
 preempted (its pages freed, recomputed later) and resumes before any new request.
+Sliding-window layers give back the pages their window has passed as each sequence is
+scheduled (block_manager.py).
 """
 
 from __future__ import annotations
@@ -47,11 +49,10 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted while making room for an earlier sequence
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            # Most decode steps fit the sequence's last page: no allocation at all.
-            if self.block_manager.blocks_needed(seq, n):
-                if not self._make_room(seq, n):
-                    continue
-                self.block_manager.allocate(seq, n)
+            if not self._make_room(seq, n):
+                continue
+            # Adds pages (most decode steps need none) and frees those the windows passed.
+            self.block_manager.allocate(seq, n)
             chosen.append((seq, n))
             budget -= n
         # After a preemption the pool is full: admitting now would only preempt again.
@@ -65,6 +66,9 @@ class Scheduler:
             self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(seq, n):
+                # Waiting sequences must not pin cached pages: with several of them
+                # (preempted ones return to the front) nothing could run again.
+                self.block_manager.cancel_match(seq)
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, n)

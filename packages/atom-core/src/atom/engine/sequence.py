@@ -40,7 +40,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
-        self.block_table: list[int] = []
+        # One page list per KV-cache group (empty: no pages yet); the first
+        # num_released_blocks[g] entries of group g are pages its window freed.
+        self.block_tables: list[list[int]] = []
+        self.num_released_blocks: list[int] = []
         self.num_hashed_blocks = 0
         self.last_block_hash: int | None = None
         # Completions of one seeded request draw different but reproducible tokens.

@@ -23,7 +23,7 @@ class StepInput:
 
     token_ids: list[int]
     start_position: int  # tokens already in the cache
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per KV-cache group (kv_groups.py), of equal length
 
 
 @dataclass
@@ -44,10 +44,10 @@ class TokenFeed:
 class StepArrays:
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
-    slot_mapping: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [G, T] int64, one row per KV-cache group
     query_start_loc: np.ndarray  # [B+1] int32
     seq_lens: np.ndarray  # [B] int32
-    block_table: np.ndarray  # [B, width] int32, zero-padded
+    block_table: np.ndarray  # [B, G, width] int32, zero-padded
     num_decodes: int  # leading rows with one new token
 
     @property
@@ -60,11 +60,12 @@ class StepArrays:
 
 
 def build_step_arrays(batch: list[StepInput], block_size: int) -> StepArrays:
-    """Flattens a batch; the block table is as wide as its longest row."""
+    """Flattens a batch; the block tables are as wide as the longest."""
     num_seqs = len(batch)
+    num_groups = len(batch[0].block_tables) if batch else 1
     query_lens = np.fromiter((len(x.token_ids) for x in batch), np.int64, num_seqs)
     starts = np.fromiter((x.start_position for x in batch), np.int64, num_seqs)
-    num_pages = np.fromiter((len(x.block_table) for x in batch), np.int64, num_seqs)
+    num_pages = np.fromiter((len(x.block_tables[0]) for x in batch), np.int64, num_seqs)
     seq_lens = starts + query_lens
     short = np.nonzero(-(-seq_lens // block_size) > num_pages)[0]
     if len(short):
@@ -73,15 +74,22 @@ def build_step_arrays(batch: list[StepInput], block_size: int) -> StepArrays:
     query_start_loc = np.zeros(num_seqs + 1, np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-    table = np.zeros((num_seqs, max(int(num_pages.max(initial=0)), 1)), np.int32)
-    flat = np.fromiter(chain.from_iterable(x.block_table for x in batch), np.int32)
+    table = np.zeros((num_seqs, num_groups, max(int(num_pages.max(initial=0)), 1)), np.int32)
     page_starts = np.cumsum(num_pages) - num_pages
     rows = np.repeat(np.arange(num_seqs), num_pages)
-    table[rows, np.arange(len(flat)) - np.repeat(page_starts, num_pages)] = flat
+    columns = np.arange(int(num_pages.sum())) - np.repeat(page_starts, num_pages)
+    for group in range(num_groups):
+        flat = np.fromiter(chain.from_iterable(x.block_tables[group] for x in batch), np.int32)
+        if len(flat) != len(columns):
+            raise ValueError(
+                f"block tables of KV-cache group {group} hold {len(flat)} pages, those of "
+                f"group 0 {len(columns)}: every group's table covers the same positions"
+            )
+        table[rows, group, columns] = flat
     # Token t of sequence s sits at position starts[s] + (t - query_start_loc[s]).
     token_rows = np.repeat(np.arange(num_seqs), query_lens)
     positions = np.arange(num_tokens) + np.repeat(starts - query_start_loc[:-1], query_lens)
-    pages = table[token_rows, positions // block_size].astype(np.int64)
+    pages = table[token_rows, :, positions // block_size].T.astype(np.int64)  # [G, T]
     ones = np.flatnonzero(query_lens != 1)
     return StepArrays(
         input_ids=np.fromiter(chain.from_iterable(x.token_ids for x in batch), np.int64),
@@ -101,7 +109,7 @@ def upload(
     parts = [
         arrays.input_ids,
         arrays.positions,
-        arrays.slot_mapping,
+        arrays.slot_mapping.ravel(),
         arrays.query_start_loc,
         arrays.seq_lens,
         arrays.block_table.ravel(),
@@ -111,11 +119,14 @@ def upload(
     ids, pos, slots, qsl, lens, table = packed.split([len(p) for p in parts])
     qsl_cpu = torch.from_numpy(arrays.query_start_loc)
     lens_cpu = torch.from_numpy(arrays.seq_lens)
+    slots = slots.view(arrays.slot_mapping.shape)
+    table = table.view(arrays.block_table.shape).int()
     metadata = AttentionMetadata(
         query_start_loc=qsl.int(),
         seq_lens=lens.int(),
-        block_table=table.view(arrays.block_table.shape).int(),
-        slot_mapping=slots,
+        block_table=table[:, 0],
+        slot_mapping=slots[0],
+        kv_group_tables=kv_group_tables(table, slots),
         num_decodes=arrays.num_decodes,
         num_decode_tokens=arrays.num_decodes,
         max_query_len=int(np.diff(arrays.query_start_loc).max(initial=0)),
@@ -124,3 +135,13 @@ def upload(
         seq_lens_cpu=lens_cpu,
     )
     return ids, pos, metadata
+
+
+def kv_group_tables(
+    table: torch.Tensor, slots: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+    """Each KV-cache group's (block table, slot mapping) from [B, G, width] and [G, T];
+    None for one group (every layer reads the metadata's own)."""
+    if table.shape[1] == 1:
+        return None
+    return tuple((table[:, g], slots[g]) for g in range(table.shape[1]))

@@ -9,17 +9,32 @@ from atom.kernels.kv_cache import dequantize_kv, is_fp8_kv_cache
 from atom.kernels.policy import dispatch, register
 
 
-def gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` token rows of a sequence's pages: [length, ...]."""
-    num_pages = -(-length // cache.shape[1])
-    return cache[pages[:num_pages].long()].flatten(0, 1)[:length]
+def gather_pages(
+    cache: torch.Tensor, pages: torch.Tensor, length: int, first_page: int = 0
+) -> torch.Tensor:
+    """Token rows [first_page * page_size, length) of a sequence's pages; the table entries
+    before first_page are not read."""
+    page_size = cache.shape[1]
+    num_pages = -(-length // page_size)
+    rows = cache[pages[first_page:num_pages].long()].flatten(0, 1)
+    return rows[: length - first_page * page_size]
+
+
+def first_window_page(context: int, sliding_window: int | None, page_size: int) -> int:
+    """The first page a step's queries can see: with a window, the earliest query (at
+    position `context`) sees no key below context - window + 1, and the native engine
+    frees the pages before it (their table entries are placeholders)."""
+    if sliding_window is None:
+        return 0
+    return max(0, context - sliding_window + 1) // page_size
 
 
 def attention_mask(
-    query_positions: torch.Tensor, length: int, sliding_window: int | None
+    query_positions: torch.Tensor, length: int, sliding_window: int | None, first_key: int = 0
 ) -> torch.Tensor:
-    """[q, length] True where a query may attend a key (causal, optional sliding window)."""
-    keys = torch.arange(length, device=query_positions.device)
+    """[q, length - first_key] True where a query may attend keys first_key.. (causal,
+    optional sliding window)."""
+    keys = torch.arange(first_key, length, device=query_positions.device)
     allowed = keys[None, :] <= query_positions[:, None]
     if sliding_window is not None:
         allowed &= keys[None, :] > query_positions[:, None] - sliding_window
@@ -60,17 +75,21 @@ def paged_attention_torch(
     query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
     key=None, value=None, sinks=None, k_scale=1.0, v_scale=1.0,
 ):  # fmt: skip
-    """The definition: every key from the cache (key/value hold the same new keys)."""
+    """The definition: every key from the cache (key/value hold the same new keys); with a
+    window, from the first page the window reaches."""
     starts = metadata.host_query_start_loc()
+    page_size = key_cache.shape[1]
     for i, seq_len in enumerate(metadata.host_seq_lens()):
         begin, end = starts[i], starts[i + 1]
         if end == begin:
             continue
         pages = metadata.block_table[i]
-        k = dequantize_kv(gather_pages(key_cache, pages, seq_len), k_scale)
-        v = dequantize_kv(gather_pages(value_cache, pages, seq_len), v_scale)
-        positions = torch.arange(seq_len - (end - begin), seq_len, device=query.device)
-        mask = attention_mask(positions, seq_len, sliding_window)
+        context = seq_len - (end - begin)
+        first_page = first_window_page(context, sliding_window, page_size)
+        k = dequantize_kv(gather_pages(key_cache, pages, seq_len, first_page), k_scale)
+        v = dequantize_kv(gather_pages(value_cache, pages, seq_len, first_page), v_scale)
+        positions = torch.arange(context, seq_len, device=query.device)
+        mask = attention_mask(positions, seq_len, sliding_window, first_page * page_size)
         out[begin:end] = dense_attention(
             query[begin:end], k, v, mask, scale, logits_soft_cap, sinks
         )
@@ -97,7 +116,9 @@ def paged_attention(
 
     The new tokens' K/V must already be in the cache. New token j of a sequence with
     context c sits at position c + j and sees keys at positions <= c + j (and, with a
-    sliding window w, > c + j - w).
+    sliding window w, > c + j - w). With a window, table entries of pages wholly before
+    the earliest query's window (c - w + 1) are never read: the native engine frees those
+    pages and leaves placeholders.
 
     key [T, Hkv, D] / value [T, Hkv, Dv], optional: those same new tokens' K/V as written
     to the cache (rotated, normalised), row t for query row t. A kernel may read the new

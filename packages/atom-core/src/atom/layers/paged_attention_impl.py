@@ -64,8 +64,10 @@ def write_kv_and_attend(
 class NativeAttentionImpl(nn.Module):
     """KV cache layout: key/value [num_blocks, block_size, num_kv_heads, head_dim].
 
-    The engine binds the caches with `bind_kv_cache` after it has sized the pool. With an
-    fp8 cache, k_scale / v_scale are the layer's per-tensor scales: the checkpoint's
+    The engine binds the caches with `bind_kv_cache` after it has sized the pool, and
+    with them the layer's KV-cache group: the layer reads that group's block table and
+    slot mapping from the step's metadata (AttentionMetadata.for_kv_group). With an fp8
+    cache, k_scale / v_scale are the layer's per-tensor scales: the checkpoint's
     (atom.loader sets them while loading), 1.0 where it has none.
     """
 
@@ -76,6 +78,7 @@ class NativeAttentionImpl(nn.Module):
         self.spec = spec
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        self.kv_group = 0
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -86,8 +89,11 @@ class NativeAttentionImpl(nn.Module):
             (num_blocks, block_size, s.num_kv_heads, s.v_head_dim),
         ]
 
-    def bind_kv_cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    def bind_kv_cache(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, kv_group: int = 0
+    ) -> None:
         self.key_cache, self.value_cache = key_cache, value_cache
+        self.kv_group = kv_group
 
     def forward(
         self,
@@ -108,7 +114,7 @@ class NativeAttentionImpl(nn.Module):
             v,
             self.key_cache,
             self.value_cache,
-            metadata,
+            metadata.for_kv_group(self.kv_group),
             self.spec.scale,
             sliding_window=self.spec.sliding_window,
             logits_soft_cap=self.spec.logits_soft_cap,

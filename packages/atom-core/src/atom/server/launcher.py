@@ -80,13 +80,9 @@ def load_model(model: str, engine_kwargs: dict):
 
 def summary(llm, options: ServeOptions, host: str, port: int) -> str:
     config = llm.engine.config
-    num_blocks = llm.engine.block_manager.num_blocks
-    kv_tokens = num_blocks * config.cache.block_size
     return (
         f"serving {options.served_model_name!r} ({config.model.path}, "
         f"{str(config.model.dtype).removeprefix('torch.')}, max_model_len "
-        f"{config.model.max_model_len}) on {config.device}: KV cache {num_blocks} blocks = "
-        f"{kv_tokens} tokens ({str(llm.engine.executor.cache_dtype).removeprefix('torch.')}), up to {config.max_num_seqs} sequences at once "
-        f"({kv_tokens / config.model.max_model_len:.1f}x max_model_len); "
-        f"http://{host}:{port}/v1"
+        f"{config.model.max_model_len}) on {config.device}: {llm.engine.kv_cache_summary()}; "
+        f"up to {config.max_num_seqs} sequences at once; http://{host}:{port}/v1"
     )

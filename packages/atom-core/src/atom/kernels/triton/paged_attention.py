@@ -110,7 +110,7 @@ def _decode_split_kernel(
     token = tl.load(query_start_ptr + seq).to(tl.int64)
     last_pos = seq_len - 1
     kv_start = 0
-    if USE_WINDOW:
+    if USE_WINDOW:  # no key (nor table entry) before the window is read: may be freed
         kv_start = tl.maximum(0, last_pos - window + 1)
     per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
     split_start = kv_start + split * per_split

@@ -51,15 +51,16 @@ def _load(ptrs, rows_ok, dims_ok, MASK_DIMS: tl.constexpr):
 
 
 @triton.jit
-def _page_rows(cache_ptr, table_row, start, end, page_stride, slot_stride, dims, dims_ok,
+def _page_rows(cache_ptr, table_row, start, begin, end, page_stride, slot_stride, dims, dims_ok,
                MASK_DIMS: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_ROWS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SKIP_BEFORE: tl.constexpr):  # fmt: skip
     """Keys [start, start + BLOCK_N) of one KV head from the sequence's pages: [BLOCK_N, D].
 
     PAGE_ROWS > 0: start is page aligned (or BLOCK_N-aligned inside a page), and each page
     gives PAGE_ROWS consecutive rows. PAGE_ROWS == 0 (a page size that neither divides nor
     is divided by BLOCK_N): one table lookup per row. Rows at or past `end` read zeros
-    (their table entries and pages may be anything).
+    (their table entries and pages may be anything). SKIP_BEFORE: so do rows before
+    `begin`, and their table entries are not read (a sliding window's freed pages).
     """
     if PAGE_ROWS > 0:
         PAGES: tl.constexpr = BLOCK_N // PAGE_ROWS
@@ -67,20 +68,28 @@ def _page_rows(cache_ptr, table_row, start, end, page_stride, slot_stride, dims,
         slots = tl.arange(0, PAGE_ROWS)
         n = start + page_index[:, None] * PAGE_ROWS + slots[None, :]
         first = start + page_index * PAGE_ROWS
-        pages = tl.load(table_row + first // PAGE_SIZE, mask=first < end, other=0)
+        page_ok = first < end
+        rows_ok = n < end
+        if SKIP_BEFORE:
+            page_ok &= first + PAGE_ROWS > begin
+            rows_ok &= n >= begin
+        pages = tl.load(table_row + first // PAGE_SIZE, mask=page_ok, other=0)
         ptrs = (
             cache_ptr
             + pages.to(tl.int64)[:, None, None] * page_stride
             + (start % PAGE_SIZE + slots)[None, :, None] * slot_stride
             + dims[None, None, :]
         )
-        tile = _load(ptrs, (n < end)[:, :, None], dims_ok[None, None, :], MASK_DIMS)
+        tile = _load(ptrs, rows_ok[:, :, None], dims_ok[None, None, :], MASK_DIMS)
         return tl.reshape(tile, [BLOCK_N, BLOCK_D])
     else:
         n = start + tl.arange(0, BLOCK_N)
-        page = tl.load(table_row + n // PAGE_SIZE, mask=n < end, other=0).to(tl.int64)
+        rows_ok = n < end
+        if SKIP_BEFORE:
+            rows_ok &= n >= begin
+        page = tl.load(table_row + n // PAGE_SIZE, mask=rows_ok, other=0).to(tl.int64)
         ptrs = cache_ptr + page[:, None] * page_stride + (n % PAGE_SIZE)[:, None] * slot_stride
-        return _load(ptrs + dims[None, :], (n < end)[:, None], dims_ok[None, :], MASK_DIMS)
+        return _load(ptrs + dims[None, :], rows_ok[:, None], dims_ok[None, :], MASK_DIMS)
 
 
 @triton.jit
@@ -190,15 +199,21 @@ def _prefill_kernel(
         last = tl.minimum(context + token, paged_end - 1)
         first = context + token - window
         lo = 0
+        begin = 0  # the tile's first visible key
         full_end = tl.minimum(context + first_token, paged_end) // BLOCK_N * BLOCK_N
         if USE_WINDOW:  # the window's lower edge needs the mask everywhere
-            lo = tl.maximum(0, context + first_token - window + 1) // BLOCK_N * BLOCK_N
+            begin = tl.maximum(0, context + first_token - window + 1)
+            lo = begin // BLOCK_N * BLOCK_N
             full_end = lo
         for start in tl.range(lo, paged_end, BLOCK_N):
-            k = _page_rows(k_pages, table_row, start, paged_end, k_stride_b, k_stride_s, dims,
-                           dims_ok, MASK_D, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_D)  # fmt: skip
-            v = _page_rows(v_pages, table_row, start, paged_end, v_stride_b, v_stride_s, vdims,
-                           vdims_ok, MASK_DV, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_DV)  # fmt: skip
+            # Pages wholly before `begin` may be freed (placeholders in the table): the
+            # block that straddles the window's edge leaves them unread.
+            k = _page_rows(k_pages, table_row, start, begin, paged_end, k_stride_b, k_stride_s,
+                           dims, dims_ok, MASK_D, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_D,
+                           USE_WINDOW)  # fmt: skip
+            v = _page_rows(v_pages, table_row, start, begin, paged_end, v_stride_b, v_stride_s,
+                           vdims, vdims_ok, MASK_DV, PAGE_SIZE, PAGE_ROWS, BLOCK_N, BLOCK_DV,
+                           USE_WINDOW)  # fmt: skip
             if FP8:  # widens exactly; k_scale is inside `scale`, v_scale applied at the end
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
