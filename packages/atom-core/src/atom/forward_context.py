@@ -27,6 +27,10 @@ class AttentionMetadata:
     positions:       [T] int64, position of each new token; set by hosts whose attention
                      op carries only q/k/v (vLLM), for impls that rotate q/k in the
                      kernel that writes the cache.
+    state_slots:     [B] int32, each sequence's row in the per-request state pools of
+                     hybrid models (Gated DeltaNet conv + recurrent states); None otherwise.
+    has_initial_state: [B] bool, whether that row holds the sequence's state so far (False:
+                     its first chunk, or a recompute after preemption: start from zeros).
     """
 
     query_start_loc: torch.Tensor
@@ -41,6 +45,8 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

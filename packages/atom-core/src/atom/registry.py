@@ -79,6 +79,46 @@ _ENTRIES = (
         moe=True,
         quant=("mxfp4 (experts dequantized at load)",),
     ),
+    # Hybrids of Gated DeltaNet and attention layers (per-request state cache): the native
+    # engine only, until the plugins bind their state.
+    ModelEntry(
+        "Qwen3NextForCausalLM",
+        "atom.models.qwen3_next",
+        "Qwen3NextForCausalLM",
+        "Qwen3-Next",
+        moe=True,
+        hosts=("atom",),
+    ),
+    ModelEntry(
+        "Qwen3_5ForCausalLM",
+        "atom.models.qwen3_5",
+        "Qwen3_5ForCausalLM",
+        "Qwen3.5",
+        hosts=("atom",),
+    ),
+    ModelEntry(
+        "Qwen3_5MoeForCausalLM",
+        "atom.models.qwen3_5",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3.5-MoE",
+        moe=True,
+        hosts=("atom",),
+    ),
+    ModelEntry(
+        "Qwen3_5ForConditionalGeneration",
+        "atom.models.qwen3_5",
+        "Qwen3_5ForCausalLM",
+        "Qwen3.5 (the text model of the multimodal checkpoints)",
+        hosts=("atom",),
+    ),
+    ModelEntry(
+        "Qwen3_5MoeForConditionalGeneration",
+        "atom.models.qwen3_5",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3.5-MoE (the text model of the multimodal checkpoints)",
+        moe=True,
+        hosts=("atom",),
+    ),
     ModelEntry(
         "MiniMaxM2ForCausalLM",
         "atom.models.minimax_m2",

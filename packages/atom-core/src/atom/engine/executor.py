@@ -26,6 +26,7 @@ from atom.engine.model_runner import (
     check_fp8_kv_cache,
     kv_cache_bytes_per_block,
 )
+from atom.engine.state_cache import allocate_state_cache, num_state_slots, state_bytes_per_slot
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
 
 
@@ -56,6 +57,7 @@ class _Shard:
         self.cache_dtype = config.cache.cache_dtype(config.model.dtype)
         if self.cache_dtype == FP8_KV_CACHE_DTYPE:
             check_fp8_kv_cache(self.model, self.device, log=rank == 0)
+        self.state_slot_bytes = state_bytes_per_slot(self.model)
 
     def blocks_from_memory(self) -> int:
         cache, dtype = self.config.cache, self.cache_dtype
@@ -69,6 +71,7 @@ class _Shard:
             raise ConfigError(
                 "on CPU, set kv_cache_memory_bytes (or num_blocks) to size the KV cache"
             )
+        budget -= self.state_slot_bytes * num_state_slots(self.config.max_num_seqs)
         if budget < per_block:
             raise ConfigError(
                 f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)"
@@ -78,6 +81,9 @@ class _Shard:
     def allocate(self, num_blocks: int) -> ModelRunner:
         config, cache = self.config, self.config.cache
         allocate_kv_cache(self.model, num_blocks, cache.block_size, self.cache_dtype, self.device)
+        self.state_cache_bytes = allocate_state_cache(
+            self.model, num_state_slots(config.max_num_seqs), self.device
+        )
         runner = ModelRunner(self.model, cache.block_size, self.device)
         if config.use_cuda_graphs:
             runner.capture_cuda_graphs(config.max_num_seqs, config.model.max_model_len)
@@ -119,6 +125,7 @@ class Executor:
         self.num_blocks = config.cache.num_blocks or shard.blocks_from_memory()
         self._broadcast(self.num_blocks)
         self.runner = shard.allocate(self.num_blocks)
+        self.state_cache_bytes = shard.state_cache_bytes
 
     def _broadcast(self, message) -> None:
         if self.workers:

@@ -41,6 +41,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.block_table: list[int] = []
+        self.state_slot: int | None = None  # a hybrid model's state pool row while scheduled
         self.num_hashed_blocks = 0
         self.last_block_hash: int | None = None
         # Completions of one seeded request draw different but reproducible tokens.
