@@ -91,6 +91,23 @@ def test_bad_layer_types_are_config_errors(tmp_path, layer_types, message):
         build_model_from(config, tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("layer_types", "message"),
+    [
+        (["sliding_attention", "linear_attention"], r"layer_types\[0\]='sliding_attention'"),
+        # transformers' own validator may see this one first: either way, a ConfigError.
+        (["linear_attention"], r"layer_types"),
+    ],
+)
+def test_bad_layer_types_in_config_json_are_config_errors(tmp_path, layer_types, message):
+    folder = write_with_random_vectors(
+        tiny_config("Qwen3_5ForCausalLM", num_hidden_layers=2), tmp_path
+    )
+    write_config(folder, layer_types=layer_types)
+    with pytest.raises(ConfigError, match=message):
+        build_model(ModelConfig.from_pretrained(folder), "cpu", progress=False)
+
+
 def test_bad_full_attention_interval_is_a_config_error(tmp_path):
     config = tiny_config("Qwen3NextForCausalLM", num_hidden_layers=2)
     config.layer_types = None
