@@ -2,9 +2,11 @@
 
 from atom.kernels.triton import (
     activation,
+    causal_conv1d,
     fp8,
     fused_moe,
     fused_qkv,
+    gated_delta,
     kv_cache,
     mla,  # noqa: F401  (registers the MLA kernels)
     moe_routing,
@@ -15,9 +17,11 @@ from atom.kernels.triton import (
 
 __all__ = [
     "activation",
+    "causal_conv1d",
     "fp8",
     "fused_moe",
     "fused_qkv",
+    "gated_delta",
     "kv_cache",
     "moe_routing",
     "norm",
