@@ -24,6 +24,9 @@ class ModelEntry:
     moe: bool = False
     quant: tuple[str, ...] = QUANT_FORMATS
     hosts: tuple[str, ...] = ALL_HOSTS
+    # Keeps per-request state besides the KV cache (Gated DeltaNet layers): hosts must
+    # give it their state manager (docs/architecture.md, "Hybrid models").
+    hybrid: bool = False
 
     @property
     def class_path(self) -> str:
@@ -87,14 +90,16 @@ _ENTRIES = (
         "Qwen3NextForCausalLM",
         "Qwen3-Next",
         moe=True,
-        hosts=("atom",),
+        hosts=("atom", "vllm"),
+        hybrid=True,
     ),
     ModelEntry(
         "Qwen3_5ForCausalLM",
         "atom.models.qwen3_5",
         "Qwen3_5ForCausalLM",
         "Qwen3.5",
-        hosts=("atom",),
+        hosts=("atom", "vllm"),
+        hybrid=True,
     ),
     ModelEntry(
         "Qwen3_5MoeForCausalLM",
@@ -102,7 +107,8 @@ _ENTRIES = (
         "Qwen3_5MoeForCausalLM",
         "Qwen3.5-MoE",
         moe=True,
-        hosts=("atom",),
+        hosts=("atom", "vllm"),
+        hybrid=True,
     ),
     ModelEntry(
         "Qwen3_5ForConditionalGeneration",
@@ -110,6 +116,7 @@ _ENTRIES = (
         "Qwen3_5ForCausalLM",
         "Qwen3.5 (the text model of the multimodal checkpoints)",
         hosts=("atom",),
+        hybrid=True,
     ),
     ModelEntry(
         "Qwen3_5MoeForConditionalGeneration",
@@ -118,6 +125,7 @@ _ENTRIES = (
         "Qwen3.5-MoE (the text model of the multimodal checkpoints)",
         moe=True,
         hosts=("atom",),
+        hybrid=True,
     ),
     ModelEntry(
         "MiniMaxM2ForCausalLM",

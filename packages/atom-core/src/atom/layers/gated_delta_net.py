@@ -6,9 +6,13 @@ causal conv1d (SiLU) over their channels; beta = sigmoid(b), g = -exp(A_log) *
 softplus(a + dt_bias); the gated delta rule (atom.kernels.gated_delta) mixes them into a
 recurrent state; the output is RMSNorm(o) * silu(z) per value head, then out_proj.
 
-The conv and recurrent states live in per-request pools the engine binds
-(`bind_state_cache`, atom.engine.state_cache); each step's `AttentionMetadata` says
-which pool row (`state_slots`) each sequence uses and whether it holds a state yet.
+The conv and recurrent states live in per-request pools; each step's `AttentionMetadata`
+says which pool row (`state_slots`) each sequence uses and whether it holds a state yet.
+The native engine binds the pools once (`bind_state_cache`, atom.engine.state_cache) and
+sets the metadata in ATOM's forward context. A host with its own state manager (vLLM's
+mamba cache, SGLang's mamba pool) builds the model inside `state_backend(factory)`: each
+layer then owns the factory's module (`state_host`), whose `step_state()` hands it this
+step's metadata and its pools, or None in a host's profiling run.
 Subclasses supply the input projections (their checkpoint layouts differ): `project(x)`
 returns this rank's q, k, v [T, heads * dim], z [T, Hv, Dv], b and a [T, Hv]. Tensor
 parallelism splits the key heads (with their value heads) over the ranks.
@@ -16,6 +20,8 @@ parallelism splits the key heads (with their value heads) over the ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -25,13 +31,60 @@ from torch import nn
 
 from atom.config import ConfigError
 from atom.distributed import divide, get_tp_group
-from atom.forward_context import get_forward_context
+from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.kernels.causal_conv1d import CAUSAL_CONV1D_OP, causal_conv1d
 from atom.kernels.gated_delta import GATED_DELTA_RULE_OP, gated_delta_rule
 from atom.kernels.policy import is_capturable
 from atom.layers.linear import RowParallelLinear, copy_shard, copy_weight
 from atom.layers.norm import GatedRMSNorm
 from atom.layers.quantization import set_weight_attrs
+
+StateShapes = list[tuple[tuple[int, ...], torch.dtype]]
+
+
+def gated_delta_state_shapes(
+    conv_dim: int, conv_width: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+    conv_dtype: torch.dtype,
+) -> StateShapes:  # fmt: skip
+    """One slot's (shape, dtype) of each state, in the layout ATOM's ops take: the conv's
+    last K-1 inputs [C, K-1] in the model dtype, and the recurrent state [Hv, Dk, Dv], fp32."""
+    return [
+        ((conv_dim, conv_width - 1), conv_dtype),
+        ((num_v_heads, head_k_dim, head_v_dim), torch.float32),
+    ]
+
+
+def config_state_shapes(config: Any, tp_size: int, conv_dtype: torch.dtype) -> StateShapes:
+    """`gated_delta_state_shapes` of one tensor-parallel rank, from the HF config alone (for
+    hosts that size their state caches before the model exists)."""
+    key_dim = divide(config.linear_num_key_heads, tp_size, "linear_num_key_heads")
+    key_dim *= config.linear_key_head_dim
+    num_v_heads = divide(config.linear_num_value_heads, tp_size, "linear_num_value_heads")
+    return gated_delta_state_shapes(
+        2 * key_dim + num_v_heads * config.linear_value_head_dim,
+        config.linear_conv_kernel_dim,
+        num_v_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+        conv_dtype,
+    )
+
+
+StepState = tuple[AttentionMetadata, torch.Tensor, torch.Tensor]
+StateHostFactory = Callable[["GatedDeltaNet"], nn.Module]
+_state_host_factory: StateHostFactory | None = None
+
+
+@contextmanager
+def state_backend(factory: StateHostFactory) -> Iterator[None]:
+    """Layers built inside get `factory(layer)` as their `state_host`."""
+    global _state_host_factory
+    previous = _state_host_factory
+    _state_host_factory = factory
+    try:
+        yield
+    finally:
+        _state_host_factory = previous
 
 
 class GatedDeltaNet(nn.Module):
@@ -73,6 +126,8 @@ class GatedDeltaNet(nn.Module):
         )
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        # Last: the factory reads the layer's prefix and state shapes.
+        self.state_host = _state_host_factory(self) if _state_host_factory else None
 
     def build_projections(self, config: Any, quant_config, prefix: str) -> None:
         raise NotImplementedError
@@ -90,13 +145,15 @@ class GatedDeltaNet(nn.Module):
             torch.cat([part.narrow(0, tp.rank * size, size) for part, size in zip(parts, local)]),
         )
 
-    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """One slot's (shape, dtype) of each state: the conv's last K-1 inputs, in the model
-        dtype, and the recurrent state, fp32."""
-        return [
-            ((self.conv_dim, self.conv_width - 1), self.conv1d.weight.dtype),
-            ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32),
-        ]
+    def state_shapes(self) -> StateShapes:
+        return gated_delta_state_shapes(
+            self.conv_dim,
+            self.conv_width,
+            self.num_v_heads,
+            self.head_k_dim,
+            self.head_v_dim,
+            self.conv1d.weight.dtype,
+        )
 
     def bind_state_cache(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         self.conv_state, self.ssm_state = conv_state, ssm_state
@@ -108,9 +165,18 @@ class GatedDeltaNet(nn.Module):
             is_capturable(op, device) for op in (GATED_DELTA_RULE_OP, CAUSAL_CONV1D_OP)
         )
 
+    def step_state(self) -> StepState | None:
+        """This step's metadata and (conv, recurrent) pools; None: a host's profiling run."""
+        if self.state_host is not None:
+            return self.state_host.step_state()
+        return get_forward_context().attn_metadata, self.conv_state, self.ssm_state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        metadata = get_forward_context().attn_metadata
-        if metadata is None or metadata.state_slots is None or self.ssm_state is None:
+        step = self.step_state()
+        if step is None:  # no states and no metadata exist yet: only the output shape counts
+            return self.out_proj(x.new_zeros(x.shape[0], self.value_dim))
+        metadata, conv_state, ssm_state = step
+        if metadata is None or metadata.state_slots is None or ssm_state is None:
             raise RuntimeError(
                 f"{self.prefix}: Gated DeltaNet needs its state pools and step metadata with "
                 "state_slots (run the model under atom.forward_context.set_forward_context)"
@@ -126,7 +192,7 @@ class GatedDeltaNet(nn.Module):
             torch.cat([q, k, v], dim=-1),
             self.conv1d.weight.view(self.conv_dim, self.conv_width),
             None,
-            self.conv_state,
+            conv_state,
             slots,
             starts,
             has_state,
@@ -140,7 +206,7 @@ class GatedDeltaNet(nn.Module):
             v.view(num_tokens, self.num_v_heads, self.head_v_dim),
             g,
             b.sigmoid(),
-            self.ssm_state,
+            ssm_state,
             slots,
             starts,
             has_state,
