@@ -19,7 +19,7 @@ from atom_vllm import served_architectures
 
 pytestmark = pytest.mark.slow
 
-HYBRIDS = ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"]
+HYBRIDS = ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
 SERVED = set(served_architectures())
 
 

@@ -82,15 +82,16 @@ _ENTRIES = (
         moe=True,
         quant=("mxfp4 (experts dequantized at load)",),
     ),
-    # Hybrids of Gated DeltaNet and attention layers (per-request state cache): the native
-    # engine only, until the plugins bind their state.
+    # Hybrids of Gated DeltaNet and attention layers (per-request states): the native
+    # engine's state cache, vLLM's mamba cache and SGLang's mamba pool. The multimodal
+    # checkpoints' names: the native engine only (their vision towers are skipped there).
     ModelEntry(
         "Qwen3NextForCausalLM",
         "atom.models.qwen3_next",
         "Qwen3NextForCausalLM",
         "Qwen3-Next",
         moe=True,
-        hosts=("atom", "vllm"),
+        hosts=("atom", "vllm", "sglang"),
         hybrid=True,
     ),
     ModelEntry(
@@ -98,7 +99,7 @@ _ENTRIES = (
         "atom.models.qwen3_5",
         "Qwen3_5ForCausalLM",
         "Qwen3.5",
-        hosts=("atom", "vllm"),
+        hosts=("atom", "vllm", "sglang"),
         hybrid=True,
     ),
     ModelEntry(
@@ -107,7 +108,7 @@ _ENTRIES = (
         "Qwen3_5MoeForCausalLM",
         "Qwen3.5-MoE",
         moe=True,
-        hosts=("atom", "vllm"),
+        hosts=("atom", "vllm", "sglang"),
         hybrid=True,
     ),
     ModelEntry(
