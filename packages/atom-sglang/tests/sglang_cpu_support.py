@@ -12,7 +12,13 @@ process, and SGLang's scheduler / detokenizer subprocesses, which reach it throu
 2. A stub `sgl_kernel` (SGLang's CPU kernel package is not on PyPI). With the stub,
    `torch.ops.sgl_kernel` has no ops, so SGLang's `cpu_has_amx_support()` is False and
    every layer runs its `forward_native` torch path; an op that is really called fails
-   loudly with its name instead of a silent wrong result.
+   loudly with its name instead of a silent wrong result. Its one submodule,
+   `sgl_kernel.mamba`, is a stub too: SGLang's hybrid linear-attention backend imports
+   its CPU conv ops from there while the engine builds its attention backends, and
+   reads two `torch.ops.sgl_kernel` GDN ops at import, which get schemas without
+   kernels (`_GDN_OPS`; ATOM's Gated DeltaNet layers call none of these, and a call
+   would fail: no kernel). `convert_weight_packed`, the op SGLang's AMX check looks
+   for, stays undefined.
 3. torchvision: PyPI's wheel is CUDA-linked, so its `_C` extension does not load against
    torch+cpu and `torchvision/_meta_registrations.py` fails on the two unguarded
    `register_fake("torchvision::nms" / "qnms")`. Defining those two op schemas (no
@@ -32,10 +38,13 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 STUB_PACKAGE = "sgl_kernel"
+STUB_SUBMODULES = {f"{STUB_PACKAGE}.mamba"}
 _TORCHVISION_OPS = {
     "nms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
     "qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
 }
+# torch.ops.sgl_kernel ops that SGLang's GDN backend modules read at import on CPU.
+_GDN_OPS = ("fused_sigmoid_gating_delta_rule_update_cpu", "fused_gdn_gating_cpu")
 _installed = False
 
 
@@ -57,19 +66,23 @@ class _StubKernelModule(types.ModuleType):
 
 
 class _StubKernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves `sgl_kernel` as a stub module.
+    """Serves `sgl_kernel` and `STUB_SUBMODULES` as stub modules.
 
-    Not a package: `from sgl_kernel.scalar_type import ...` and the like raise
-    ImportError, which is what SGLang's own fallbacks (mock scalar types, ...) expect.
+    Any other submodule is not found: `from sgl_kernel.scalar_type import ...` and the
+    like raise ImportError, which is what SGLang's own fallbacks (mock scalar types, ...)
+    expect.
     """
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != STUB_PACKAGE:
+        if fullname != STUB_PACKAGE and fullname not in STUB_SUBMODULES:
             return None
-        return importlib.machinery.ModuleSpec(fullname, self)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == STUB_PACKAGE)
 
     def create_module(self, spec):
-        return _StubKernelModule(spec.name)
+        module = _StubKernelModule(spec.name)
+        if spec.name == STUB_PACKAGE:
+            module.__path__ = []  # a package, so that its stub submodules import
+        return module
 
     def exec_module(self, module) -> None:
         pass
@@ -86,6 +99,15 @@ def _define_torchvision_op_schemas() -> None:
     _define_torchvision_op_schemas.library = library  # keep the fragment alive
 
 
+def _define_gdn_op_schemas() -> None:
+    import torch
+
+    library = torch.library.Library(STUB_PACKAGE, "FRAGMENT")
+    for name in _GDN_OPS:
+        library.define(f"{name}(Tensor stub) -> Tensor")
+    _define_gdn_op_schemas.library = library  # keep the fragment alive
+
+
 def install() -> None:
     """Applies the workarounds in this process (idempotent)."""
     global _installed
@@ -96,6 +118,7 @@ def install() -> None:
     if not any(isinstance(f, _StubKernelFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _StubKernelFinder())
     _define_torchvision_op_schemas()
+    _define_gdn_op_schemas()
 
 
 def engine_env(workdir: Path, env: dict[str, str] | None = None) -> dict[str, str]:

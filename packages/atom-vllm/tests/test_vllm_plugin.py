@@ -119,6 +119,9 @@ def test_uncapturable_model_turns_cuda_graphs_off_in_its_engine_config(caplog):
         "vllm.config:CompilationConfig.resolve_cudagraph_mode_and_sizes",
         # The backend slot register() overrides.
         "vllm.v1.attention.backends.registry:AttentionBackendEnum.CUSTOM",
+        # Patch 3: the hybrid hook that picks the mamba cache mode from prefix caching.
+        "vllm.model_executor.models.config:HybridAttentionMambaModelConfig",
+        "vllm.model_executor.models.config:MambaModelConfig.verify_and_update_config",
     ],
 )
 def test_vllm_names_the_patches_rely_on_exist(name):

@@ -116,12 +116,15 @@ class ModelConfig:
             raise ConfigError(f"{config_file} names no 'architectures'")
         _, entry = resolve_model_class(architectures)
         try:
-            hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+            checkpoint_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         except Exception as exc:  # transformers raises several types for bad fields
             raise ConfigError(f"transformers cannot read {config_file}: {exc}") from exc
+        # ATOM runs text models: a multimodal checkpoint's (Qwen3.5) is its text_config.
+        hf_config = checkpoint_config.get_text_config()
         _check_attention_shape(hf_config)
+        dtype_name = getattr(hf_config, "dtype", None) or getattr(checkpoint_config, "dtype", None)
         default_dtype = parse_dtype(
-            str(getattr(hf_config, "dtype", None) or "float32").replace("torch.", ""), torch.float32
+            str(dtype_name or "float32").replace("torch.", ""), torch.float32
         )
         limit = getattr(hf_config, "max_position_embeddings", None) or 4096
         if max_model_len is None:

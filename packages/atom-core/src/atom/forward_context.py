@@ -31,6 +31,10 @@ class AttentionMetadata:
                      layers keep different pages (the native engine's sliding-window
                      layers keep only their window's); entry 0 is block_table and
                      slot_mapping. None: every layer reads those two.
+    state_slots:     [B] int32, each sequence's row in the per-request state pools of
+                     hybrid models (Gated DeltaNet conv + recurrent states); None otherwise.
+    has_initial_state: [B] bool, whether that row holds the sequence's state so far (False:
+                     its first chunk, or a recompute after preemption: start from zeros).
     """
 
     query_start_loc: torch.Tensor
@@ -46,6 +50,8 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     kv_group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    state_slots: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
     _group_views: dict[int, AttentionMetadata] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )

@@ -27,6 +27,9 @@ class ModelEntry:
     moe: bool = False
     quant: tuple[str, ...] | None = None  # None: QUANT_FORMATS, or FP8_FORMATS for MoE
     hosts: tuple[str, ...] = ALL_HOSTS
+    # Keeps per-request state besides the KV cache (Gated DeltaNet layers): hosts must
+    # give it their state manager (docs/architecture.md, "Hybrid models").
+    hybrid: bool = False
 
     def __post_init__(self) -> None:
         if self.quant is None:
@@ -85,6 +88,52 @@ _ENTRIES = (
         "GPT-OSS (20B / 120B)",
         moe=True,
         quant=("mxfp4 (experts kept packed, dequantized in the MoE kernel)",),
+    ),
+    # Hybrids of Gated DeltaNet and attention layers (per-request states): the native
+    # engine's state cache, vLLM's mamba cache and SGLang's mamba pool. The multimodal
+    # checkpoints' names: the native engine only (their vision towers are skipped there).
+    ModelEntry(
+        "Qwen3NextForCausalLM",
+        "atom.models.qwen3_next",
+        "Qwen3NextForCausalLM",
+        "Qwen3-Next",
+        moe=True,
+        hosts=("atom", "vllm", "sglang"),
+        hybrid=True,
+    ),
+    ModelEntry(
+        "Qwen3_5ForCausalLM",
+        "atom.models.qwen3_5",
+        "Qwen3_5ForCausalLM",
+        "Qwen3.5",
+        hosts=("atom", "vllm", "sglang"),
+        hybrid=True,
+    ),
+    ModelEntry(
+        "Qwen3_5MoeForCausalLM",
+        "atom.models.qwen3_5",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3.5-MoE",
+        moe=True,
+        hosts=("atom", "vllm", "sglang"),
+        hybrid=True,
+    ),
+    ModelEntry(
+        "Qwen3_5ForConditionalGeneration",
+        "atom.models.qwen3_5",
+        "Qwen3_5ForCausalLM",
+        "Qwen3.5 (the text model of the multimodal checkpoints)",
+        hosts=("atom",),
+        hybrid=True,
+    ),
+    ModelEntry(
+        "Qwen3_5MoeForConditionalGeneration",
+        "atom.models.qwen3_5",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3.5-MoE (the text model of the multimodal checkpoints)",
+        moe=True,
+        hosts=("atom",),
+        hybrid=True,
     ),
     ModelEntry(
         "MiniMaxM2ForCausalLM",

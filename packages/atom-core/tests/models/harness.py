@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from atom.config import ModelConfig
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
+from atom.engine.state_cache import allocate_state_cache, is_hybrid
 from atom.testing import write_checkpoint  # noqa: F401  (the suites import it from here)
 
 FP32_ATOL = 1e-4
@@ -100,10 +101,17 @@ class PagedModel:
         self.config = ModelConfig.from_pretrained(folder, dtype=dtype)
         self.model = build_model(self.config, "cpu", progress=False)
         allocate_kv_cache(self.model, num_blocks, block_size, dtype, "cpu")
+        # Hybrid models: one state row per test sequence (row 0 is the engine's scratch).
+        self.hybrid = is_hybrid(self.model)
+        if self.hybrid:
+            allocate_state_cache(self.model, 16, "cpu")
         self.runner = ModelRunner(self.model, block_size, "cpu")
         self.block_size = block_size
         self.free_pages = list(range(num_blocks))
         random.Random(1).shuffle(self.free_pages)
+
+    def state_slots(self, num_seqs: int) -> list[int | None]:
+        return list(range(1, num_seqs + 1)) if self.hybrid else [None] * num_seqs
 
     def pages_for(self, table: list[int], total_tokens: int) -> list[int]:
         while len(table) * self.block_size < total_tokens:
@@ -131,6 +139,7 @@ def check_against_hf(
     vocab = hf.config.vocab_size
     seqs = make_prompts(vocab, prompt_lengths)
     tables = [paged.pages_for([], len(s) + decode_steps) for s in seqs]
+    slots = paged.state_slots(len(seqs))
     worst = 0.0
 
     def compare(atom_logits: torch.Tensor, seq: list[int], positions: slice) -> None:
@@ -144,9 +153,9 @@ def check_against_hf(
 
     start = [0] * len(seqs)
     if cached_prefix:
-        paged.runner.run([StepInput(seqs[0][:cached_prefix], 0, [tables[0]])])
+        paged.runner.run([StepInput(seqs[0][:cached_prefix], 0, [tables[0]], slots[0])])
         start[0] = cached_prefix
-    batch = [StepInput(s[start[i] :], start[i], [tables[i]]) for i, s in enumerate(seqs)]
+    batch = [StepInput(s[start[i] :], start[i], [tables[i]], slots[i]) for i, s in enumerate(seqs)]
     logits = paged.runner.run(batch, all_positions=True)
     offset = 0
     for i, s in enumerate(seqs):
@@ -158,7 +167,7 @@ def check_against_hf(
         batch = []
         for i, s in enumerate(seqs):
             s.append(next_tokens[i])
-            batch.append(StepInput([next_tokens[i]], len(s) - 1, [tables[i]]))
+            batch.append(StepInput([next_tokens[i]], len(s) - 1, [tables[i]], slots[i]))
         logits = paged.runner.run(batch)
         for i, s in enumerate(seqs):
             compare(logits[i : i + 1], s, slice(len(s) - 1, len(s)))

@@ -23,6 +23,14 @@ policy picks torch on CPU, Triton on GPU), over the pool viewed as pages:
   gets a second metadata, `swa_forward_metadata`, with the block table and slot mapping
   translated once; every layer that `layers_mapping` marks sliding attends with it.
 
+Hybrid models (Gated DeltaNet + attention, e.g. Qwen3-Next): SGLang gives each request a
+row of its mamba pool (`HybridReqToTokenPool`: `req_pool_indices` -> mamba indices) and
+keeps every linear layer's conv and recurrent states there. The backend adds each step's
+`state_metadata`: the step's metadata with those rows as `state_slots` and
+`has_initial_state` from the tokens computed before the step
+(`atom.hosts.state.with_state_slots`); `state_pools(layer_id, shapes)` views a layer's
+states in the layout ATOM's ops take (`atom_sglang.state_layer` hands both to the layer).
+
 An fp8 pool (`--kv-cache-dtype fp8_e4m3`, stored as uint8, read as float8_e4m3fn) is
 ATOM's fp8 cache: the kernels quantize on write and dequantize on read with each layer's
 per-tensor `k_scale_float` / `v_scale_float` (SGLang's names on `RadixAttention`; None
@@ -48,6 +56,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from atom.forward_context import AttentionMetadata
+from atom.hosts.state import with_state_slots
 from atom.hosts.token_table import (
     block_table_from_token_table,
     metadata_from_token_table,
@@ -154,6 +163,9 @@ class AtomAttnBackend(AttentionBackend):
         self.max_context_len = self.req_to_token.shape[1]
         self.forward_metadata: AttentionMetadata | None = None
         self.swa_forward_metadata: AttentionMetadata | None = None  # hybrid SWA pool
+        # Hybrid (mamba) pool: each request's state row, in `state_metadata`.
+        self.has_state_pool = hasattr(self.req_to_token_pool, "get_mamba_indices")
+        self.state_metadata: AttentionMetadata | None = None
         self.graph_buffers: dict[str, torch.Tensor] | None = None
         # By captured batch size: (full metadata, sliding-window metadata or None).
         self.graph_metadata: dict[int, tuple[AttentionMetadata, AttentionMetadata | None]] = {}
@@ -176,7 +188,7 @@ class AtomAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: Any) -> None:
         mode = forward_batch.forward_mode
         if mode.is_idle():
-            self.forward_metadata = self.swa_forward_metadata = None
+            self.forward_metadata = self.swa_forward_metadata = self.state_metadata = None
             return
         if mode.is_target_verify() or mode.is_draft_extend_v2():
             raise NotImplementedError("ATOM's attention backend has no speculative decoding")
@@ -205,6 +217,33 @@ class AtomAttnBackend(AttentionBackend):
                 self.swa_pool.translate_loc_from_full_to_swa,
                 self.page_size,
             )
+        if self.has_state_pool:
+            rows = forward_batch.req_pool_indices[:bs]
+            self.state_metadata = with_state_slots(
+                self.forward_metadata,
+                self.req_to_token_pool.get_mamba_indices(rows),
+                forward_batch.seq_lens[:bs] - query_lens,
+            )
+
+    def state_pools(
+        self, layer_id: int, shapes: list[tuple[tuple[int, ...], torch.dtype]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_id`'s (conv, recurrent) states in SGLang's mamba pool, viewed as
+        `[rows, *shape]` of ATOM's `shapes`. SGLang's conv state is ATOM's `[C, K-1]`; its
+        recurrent state `[Hv, Dv, Dk]` is only ever written by ATOM's ops here (SGLang
+        zeroes, copies and moves whole rows), so its bytes hold ATOM's `[Hv, Dk, Dv]`."""
+        cache = self.req_to_token_pool.mamba2_layer_cache(layer_id)
+        pools = (cache.conv[0], cache.temporal)
+        for pool, (shape, dtype), what in zip(pools, shapes, ("conv", "recurrent")):
+            if pool.dtype != dtype or pool.shape[1:].numel() != torch.Size(shape).numel():
+                raise NotImplementedError(
+                    f"ATOM's Gated DeltaNet (layer {layer_id}) keeps its {what} state as "
+                    f"{dtype} {list(shape)}; SGLang's mamba pool holds {pool.dtype} "
+                    f"{list(pool.shape[1:])} (conv dtype: SGLANG_MAMBA_CONV_DTYPE, the "
+                    "model dtype; recurrent: SGLANG_MAMBA_SSM_DTYPE / mamba_ssm_dtype, "
+                    "float32)"
+                )
+        return tuple(pool.view(pool.shape[0], *shape) for pool, (shape, _) in zip(pools, shapes))
 
     # ------------------------------------------------------------ CUDA graphs (decode)
 

@@ -10,6 +10,8 @@ architecture (SGLang keys its model registry by class name). SGLang constructs i
 * attention: the ATOM model is built inside `attention_backend(factory)`, so each ATOM
   attention layer owns an SGLang `RadixAttention` (`atom_sglang.attention_layer`), of
   the kind the family's adapter declares (`atom_sglang.adapters`);
+* state (hybrid models): built inside `state_backend(factory)` too, so each Gated
+  DeltaNet layer reads its states from SGLang's mamba pool (`atom_sglang.state_layer`);
 * forward: ATOM's model runs with SGLang's `ForwardBatch` in ATOM's forward context;
   the hidden states go through SGLang's `LogitsProcessor` with ATOM's LM head (a
   vocab-parallel slice per rank, as SGLang's own), giving `LogitsProcessorOutput`;
@@ -32,6 +34,7 @@ from atom.cuda_graphs import graph_blockers
 from atom.forward_context import set_forward_context
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
+from atom.layers.gated_delta_net import state_backend
 from atom.layers.quantization import get_quant_config
 from atom.loader import take_kv_scales
 from atom.registry import ModelEntry, get_entry
@@ -49,6 +52,7 @@ from atom_sglang.patches import (
     decode_graphs_enabled,
     keep_prefill_eager,
 )
+from atom_sglang.state_layer import sglang_state_factory
 
 logger = logging.getLogger("sglang.atom_sglang.model")
 
@@ -70,7 +74,10 @@ class AtomForCausalLM(nn.Module):
         self.tp_group = install_sglang_tp_group()
         atom_quant = get_quant_config(config)
         model_cls = self.entry.load_class()
-        with attention_backend(sglang_attention_factory(self.adapter)):
+        with (
+            attention_backend(sglang_attention_factory(self.adapter)),
+            state_backend(sglang_state_factory),
+        ):
             atom_model = model_cls(atom_model_config(config), atom_quant, prefix=prefix)
         setattr(self, ATOM_MODEL_ATTR, atom_model)
         self.logits_processor = LogitsProcessor(config)

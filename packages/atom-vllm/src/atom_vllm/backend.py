@@ -20,6 +20,13 @@ The backend is registered under the static `AttentionBackendEnum.CUSTOM` member,
 
 `AtomMLABackend` declares ATOM's MLA path: the same builder and schema; its layer
 (`atom_vllm.attention_layer.VllmMLAAttention`) runs ATOM's MLA impl itself.
+
+`AtomStateBackend` serves the state caches of hybrid models' Gated DeltaNet layers
+(`atom_vllm.state_layer.VllmStateLayer`): its builder reads a mamba KV-cache group's
+`CommonAttentionMetadata`, whose block table holds one block per request (vLLM's
+mamba cache mode "none"), and gives ATOM's schema with that block as the request's
+`state_slots` row and `has_initial_state` from its computed tokens
+(`atom.hosts.state.with_state_slots`).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from atom.forward_context import AttentionMetadata
+from atom.hosts.state import with_state_slots
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE, fp8_kv_cache_unsupported
 from atom.layers.attention_spec import QKRope
 from atom.layers.paged_attention_impl import write_kv_and_attend
@@ -298,4 +306,50 @@ class AtomMLABackend(AtomBackendCapabilities):
 
     @classmethod
     def is_mla(cls) -> bool:
+        return True
+
+
+class AtomStateMetadataBuilder(AtomAttentionMetadataBuilder):
+    """ATOM's schema for a mamba KV-cache group: the MHA fields plus each request's state
+    row (its one block) and whether that row holds its state."""
+
+    # Decode steps read per-request rows from vLLM's persistent block table, as attention
+    # decodes do; mixed batches size the ops' loops from host values.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        mode = vllm_config.cache_config.mamba_cache_mode
+        if mode != "none":  # the wrapper turns "align" off for ATOM's hybrid models
+            raise NotImplementedError(
+                f"ATOM's state backend needs mamba_cache_mode='none', got {mode!r}"
+            )
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> AttentionMetadata:
+        cm = common_attn_metadata
+        return with_state_slots(
+            to_atom_metadata(cm), cm.block_table_tensor[:, 0], cm.compute_num_computed_tokens()
+        )
+
+
+class AtomStateBackend(AttentionBackend):
+    """The state caches of ATOM's Gated DeltaNet layers (vLLM's SSM kind of backend)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "ATOM_STATE"
+
+    @staticmethod
+    def get_builder_cls() -> type[AtomStateMetadataBuilder]:
+        return AtomStateMetadataBuilder
+
+    @classmethod
+    def is_ssm(cls) -> bool:
         return True

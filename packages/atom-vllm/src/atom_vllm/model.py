@@ -12,6 +12,10 @@ object); "auto", "atom" (or anything else) build ATOM's model:
 * TP: vLLM's tensor-parallel group installed as ATOM's (`atom.distributed.set_tp_group`);
 * attention: built inside `attention_backend(factory)`, so every ATOM attention layer
   owns a vLLM `Attention` layer on `AtomAttentionBackend` (MLA: `VllmMLAAttention`);
+* state (hybrid models): built inside `state_backend(factory)`, so every Gated DeltaNet
+  layer owns a vLLM mamba layer (`atom_vllm.state_layer`) whose state cache vLLM's
+  hybrid KV-cache manager allocates; `AtomHybridForCausalLM` answers vLLM's `IsHybrid`
+  questions (state shapes, dtypes, copy functions) from the config;
 * weights: `load_weights` takes vLLM's iterator (the checkpoint is read once) and
   returns the names of the parameters it loaded.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -31,12 +35,14 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from atom.cuda_graphs import graph_blockers
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
+from atom.layers.gated_delta_net import config_state_shapes, state_backend
 from atom.loader import process_weights_after_loading, take_kv_scales
-from atom.registry import UnsupportedArchitectureError
+from atom.registry import UnsupportedArchitectureError, get_entry
 from atom_vllm.attention_layer import vllm_attention_factory
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
 from atom_vllm.distributed import install_vllm_tp_group
 from atom_vllm.patches import cuda_graphs_off
+from atom_vllm.state_layer import vllm_state_factory
 
 logger = init_logger("vllm.atom_vllm.model")
 
@@ -82,7 +88,10 @@ class AtomForCausalLM(nn.Module):
         self.tp_group = install_vllm_tp_group()
         model_cls = cfg.entry.load_class()
         # vLLM's loader has set the default dtype and device for construction.
-        with attention_backend(vllm_attention_factory(vllm_config)):
+        with (
+            attention_backend(vllm_attention_factory(vllm_config)),
+            state_backend(vllm_state_factory(vllm_config)),
+        ):
             atom_model = model_cls(cfg.hf_config, cfg.quant_config, prefix=prefix)
         setattr(self, ATOM_MODEL_ATTR, atom_model)
         device = next(atom_model.parameters()).device
@@ -154,12 +163,65 @@ class AtomForCausalLM(nn.Module):
         )
 
 
+# vLLM's own names for the state cache dtypes ATOM's Gated DeltaNet ops can take.
+_STATE_DTYPE_NAMES = {"auto", "float32"}
+
+
+class AtomHybridForCausalLM(AtomForCausalLM):
+    """An ATOM hybrid model (Gated DeltaNet + attention) for vLLM: `IsHybrid` and
+    `HasInnerState` (vLLM reads these class attributes when it inspects the class)."""
+
+    is_hybrid: ClassVar[Literal[True]] = True
+    has_inner_state: ClassVar[Literal[True]] = True
+
+    @classmethod
+    def _state_shapes(cls, vllm_config: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        model_config = vllm_config.model_config
+        cache_config = vllm_config.cache_config
+        # ATOM's ops keep the conv state in the model dtype and the recurrent state in fp32.
+        for option in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            value = str(getattr(cache_config, option))
+            allowed = _STATE_DTYPE_NAMES if option.endswith("ssm_cache_dtype") else {"auto"}
+            if value not in allowed:
+                raise UnsupportedVllmFeature(
+                    f"ATOM's {cls.atom_architecture} in vLLM does not support "
+                    f"{option}={value!r} (supported: {', '.join(sorted(allowed))})"
+                )
+        return config_state_shapes(
+            model_config.hf_text_config,
+            vllm_config.parallel_config.tensor_parallel_size,
+            model_config.dtype,
+        )
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> tuple[tuple[int, ...], ...]:
+        return tuple(shape for shape, _ in cls._state_shapes(vllm_config))
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> tuple[torch.dtype, ...]:
+        return tuple(dtype for _, dtype in cls._state_shapes(vllm_config))
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple[Any, ...]:
+        # Whole-state copies (vLLM's own for GDN: without speculative tokens each copies a
+        # block's full state, whatever its layout). Used by the "align" cache mode only,
+        # which atom_vllm.patches turns off for these models.
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+    @classmethod
+    def get_mamba_state_copy_funcs(cls, mamba_types: set[Any]) -> dict[Any, tuple[Any, ...]]:
+        return {mamba_type: cls.get_mamba_state_copy_func() for mamba_type in mamba_types}
+
+
 _classes: dict[str, type[AtomForCausalLM]] = {}
 
 
 def wrapper_class(architecture: str) -> type[AtomForCausalLM]:
     """The `AtomForCausalLM` subclass vLLM sees for `architecture` (made once)."""
-    return architecture_subclass(AtomForCausalLM, architecture, __name__, "a vLLM", _classes)
+    base = AtomHybridForCausalLM if get_entry(architecture).hybrid else AtomForCausalLM
+    return architecture_subclass(base, architecture, __name__, "a vLLM", _classes)
 
 
 def __getattr__(name: str) -> type[AtomForCausalLM]:

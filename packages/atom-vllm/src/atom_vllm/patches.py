@@ -1,4 +1,4 @@
-"""The two places atom-vllm changes vLLM's behaviour beyond its plugin APIs.
+"""The three places atom-vllm changes vLLM's behaviour beyond its plugin APIs.
 
 Patch 1: decode CUDA graphs up to `max_num_seqs` for ATOM models
     Why: vLLM captures graphs for batches up to `min(2 * max_num_seqs, 512)` by default;
@@ -28,6 +28,21 @@ Patch 2: CUDA graphs off for an ATOM model that cannot be captured
         (`CompilationConfig.resolve_cudagraph_mode_and_sizes`) returns NONE for it. Test:
         `test_uncapturable_model_turns_cuda_graphs_off_in_its_engine_config`.
 
+Patch 3: no prefix caching for ATOM's hybrid models (Gated DeltaNet + attention)
+    Why: with prefix caching on, vLLM keeps hybrid models' states in its mamba cache mode
+        "align" (a state per cached block, copied between blocks by the model's copy
+        functions and kept by per-block checkpoints of vLLM's GDN backend). ATOM's state
+        backend keeps one state per request (mode "none"); a cached KV page alone cannot
+        restore a recurrent state, so a prefix hit would start from a wrong state.
+    What: the same per-architecture config hook as patch 1, for registry entries marked
+        `hybrid`, sets `cache_config.enable_prefix_caching = False` before vLLM's
+        `HybridAttentionMambaModelConfig` picks the mamba cache mode (which then is
+        "none"), with one log line. `model_impl="vllm"` runs are left alone.
+    Checked: vLLM 0.32.0: `try_verify_and_update_config` runs the architecture's hook
+        before `HybridAttentionMambaModelConfig.verify_and_update_config`, which reads
+        `enable_prefix_caching` (MambaModelConfig). Test:
+        `test_hybrid_models_run_without_prefix_caching` builds a real VllmConfig.
+
 `test_vllm_names_the_patches_rely_on_exist` fails when vLLM renames what they rely on.
 """
 
@@ -37,6 +52,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from atom.registry import get_entry
 from atom_vllm.config import model_impl_of
 
 logger = init_logger("vllm.atom_vllm.patches")
@@ -61,8 +77,21 @@ def capture_every_decode_batch(vllm_config: Any) -> None:
         compilation.max_cudagraph_capture_size = max_num_seqs
 
 
+def hybrid_prefix_caching_off(vllm_config: Any) -> None:
+    """Patch 3: prefix caching off for an ATOM hybrid model's engine."""
+    cache_config = vllm_config.cache_config
+    if model_impl_of(vllm_config) == "vllm" or not cache_config.enable_prefix_caching:
+        return
+    cache_config.enable_prefix_caching = False
+    logger.info(
+        "ATOM %s: prefix caching off (its Gated DeltaNet states are kept per request, "
+        "vLLM's mamba cache mode 'none')",
+        vllm_config.model_config.architecture,
+    )
+
+
 def install_config_hooks(architectures: list[str]) -> None:
-    """Patch 1 for `architectures`; idempotent, keeps vLLM's own hook for each."""
+    """Patches 1 and 3 for `architectures`; idempotent, keeps vLLM's own hook for each."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 
     for arch in architectures:
@@ -72,11 +101,14 @@ def install_config_hooks(architectures: list[str]) -> None:
 
         class AtomConfigHook(vllm_hook):
             atom_wrapped = vllm_hook
+            atom_hybrid = get_entry(arch).hybrid
 
             @classmethod
             def verify_and_update_config(cls, vllm_config: Any) -> None:
                 cls.atom_wrapped.verify_and_update_config(vllm_config)
                 capture_every_decode_batch(vllm_config)
+                if cls.atom_hybrid:
+                    hybrid_prefix_caching_off(vllm_config)
 
         AtomConfigHook.__name__ = AtomConfigHook.__qualname__ = f"Atom{vllm_hook.__name__}"
         MODELS_CONFIG_MAP[arch] = AtomConfigHook

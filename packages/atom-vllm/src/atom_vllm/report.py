@@ -5,7 +5,7 @@ importable module; `apply_model` needs VLLM_ALLOW_INSECURE_SERIALIZATION=1). Ret
 model class, the ATOM model class inside it (None for vLLM's own classes) and, per
 attention layer, its backend, impl, KV-cache shape and dtype, sliding window (such layers
 get vLLM's sliding-window KV spec), the fp8 KV-cache scales ATOM's impl applies and how
-often it ran.
+often it ran; for a state (mamba) layer, the shapes and dtypes of its bound states.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
                 "impl": type(impl).__name__ if impl is not None else None,
                 "calls": getattr(impl, "num_calls", getattr(module, "num_calls", None)),
                 "kv_cache_shape": list(kv_cache.shape) if hasattr(kv_cache, "shape") else None,
+                "states": (
+                    [[list(state.shape), str(state.dtype)] for state in kv_cache]
+                    if isinstance(kv_cache, tuple)
+                    else None
+                ),
                 "kv_cache_dtype": getattr(module, "kv_cache_dtype", None),
                 "kv_scales": [getattr(impl, "k_scale", None), getattr(impl, "v_scale", None)],
                 "sliding_window": getattr(module, "sliding_window", None),

@@ -3,7 +3,8 @@
 A decode step is dominated by kernel launches at small batch sizes; replaying a captured
 graph removes them. Inputs live in static buffers (one pinned host buffer, one upload per
 step); a batch is padded to the next captured size with rows that write nowhere (slot -1)
-and read one page. Whether a model can be captured at all is `atom.cuda_graphs.graph_blockers`.
+and read one page (hybrid models: their state slots are static inputs too, and padding
+rows update the scratch row, atom.engine.state_cache). Whether a model can be captured at all is `atom.cuda_graphs.graph_blockers`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from atom.engine.staged_buffers import StagedBuffers
+from atom.engine.state_cache import PADDING_SLOT, is_hybrid
 from atom.engine.step_arrays import StepArrays, TokenFeed, kv_group_tables
 from atom.forward_context import AttentionMetadata, set_forward_context
 
@@ -48,6 +50,8 @@ class DecodeGraphs:
                 "slot_mapping": (torch.int64, (groups, n)),
                 "seq_lens": (torch.int32, (n,)),
                 "query_start_loc": (torch.int32, (n + 1,)),
+                "state_slots": (torch.int32, (n,)),  # hybrid models' state pool rows
+                "has_initial_state": (torch.bool, (n,)),  # every decode has its state
                 # Last: uploads stop at row bs.
                 "block_table": (torch.int32, (n, groups, max_blocks)),
             },
@@ -57,6 +61,9 @@ class DecodeGraphs:
         host["query_start_loc"][:] = range(n + 1)
         host["seq_lens"][:] = 1
         host["slot_mapping"][:] = -1
+        host["state_slots"][:] = PADDING_SLOT
+        host["has_initial_state"][:] = True
+        self.hybrid = is_hybrid(model)
         self.inputs.upload()
         self.sizes = capture_sizes(max_batch_size)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -75,6 +82,8 @@ class DecodeGraphs:
             num_decode_tokens=bs,
             max_query_len=1,
             max_seq_len=self.max_blocks * self.block_size,
+            state_slots=d["state_slots"][:bs] if self.hybrid else None,
+            has_initial_state=d["has_initial_state"][:bs] if self.hybrid else None,
         )
 
     @torch.inference_mode()
@@ -110,11 +119,14 @@ class DecodeGraphs:
         # Entries past a row's last page are never read (seq_lens bounds them), so stale
         # values from earlier steps may stay; padding rows read page 0 and write nowhere.
         host["block_table"][:n, :, : arrays.block_table.shape[2]] = arrays.block_table
+        if arrays.state_slots is not None:
+            host["state_slots"][:n] = arrays.state_slots
         host["input_ids"][n:bs] = 0
         host["positions"][n:bs] = 0
         host["slot_mapping"][:, n:bs] = -1
         host["seq_lens"][n:bs] = 1
         host["block_table"][n:bs, :, 0] = 0
+        host["state_slots"][n:bs] = PADDING_SLOT  # padding rows update the scratch row
         self.inputs.upload(self.inputs.end_of("block_table", bs))
         if feed is not None:
             feed.apply(self.inputs.device["input_ids"])

@@ -27,6 +27,7 @@ from atom.engine.model_runner import (
     check_fp8_kv_cache,
     kv_cache_bytes_per_block,
 )
+from atom.engine.state_cache import allocate_state_cache, num_state_slots, state_bytes_per_slot
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
 
 
@@ -60,6 +61,7 @@ class _Shard:
         self.kv_groups = plan_kv_groups(
             self.model, config.model.max_model_len, config.cache.window_only_kv
         )
+        self.state_slot_bytes = state_bytes_per_slot(self.model)
 
     def page_bytes(self, full_layout: bool = False) -> int:
         """One page's bytes in the grouped layout, or with every layer keeping every page."""
@@ -80,6 +82,7 @@ class _Shard:
             raise ConfigError(
                 "on CPU, set kv_cache_memory_bytes (or num_blocks) to size the KV cache"
             )
+        budget -= self.state_slot_bytes * num_state_slots(self.config.max_num_seqs)
         if budget < per_block:
             raise ConfigError(
                 f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)"
@@ -92,6 +95,9 @@ class _Shard:
             self.model, num_blocks, cache.block_size, self.cache_dtype, self.device,
             self.kv_groups,
         )  # fmt: skip
+        self.state_cache_bytes = allocate_state_cache(
+            self.model, num_state_slots(config.max_num_seqs), self.device
+        )
         runner = ModelRunner(self.model, cache.block_size, self.device, len(self.kv_groups))
         if config.use_cuda_graphs:
             runner.capture_cuda_graphs(config.max_num_seqs, config.model.max_model_len)
@@ -140,6 +146,7 @@ class Executor:
         )
         self._broadcast(self.num_blocks)
         self.runner = shard.allocate(self.num_blocks)
+        self.state_cache_bytes = shard.state_cache_bytes
 
     def _broadcast(self, message) -> None:
         if self.workers:

@@ -17,6 +17,7 @@ from atom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from atom.engine.sampler import PendingSamples, Sampler, prompt_logprob_entries, uses_penalties
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
+from atom.engine.state_cache import StateSlots, num_state_slots
 from atom.engine.step_arrays import StepInput, TokenFeed
 from atom.sampling_params import SamplingParams
 
@@ -56,14 +57,21 @@ class LLMEngine:
         self.executor = Executor(config)
         self.model = self.executor.model
         self.kv_layout = self.executor.kv_layout
+        hybrid = self.executor.state_cache_bytes > 0
+        prefix_caching = config.cache.enable_prefix_caching and not hybrid
+        if hybrid and config.cache.enable_prefix_caching:
+            logger.info("prefix caching is off: the model keeps per-request state (hybrid)")
         self.block_manager = BlockManager(
             self.executor.num_blocks,
             config.cache.block_size,
-            config.cache.enable_prefix_caching,
+            prefix_caching,
             self.kv_layout.windows,
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            StateSlots(config.max_num_seqs) if hybrid else None,
         )
         self.sampler = Sampler(compile=config.compile)
         self.eos_token_ids = _eos_ids(config.model.hf_config, tokenizer)
@@ -74,6 +82,12 @@ class LLMEngine:
         self.async_scheduling = async_scheduling and config.parallel.tensor_parallel_size == 1
         self._in_flight: _Step | None = None
         logger.info("%s", self.kv_cache_summary())
+        if hybrid:
+            logger.info(
+                "state cache: %d slots, %.1f MiB (taken from the KV-cache budget)",
+                num_state_slots(config.max_num_seqs),
+                self.executor.state_cache_bytes / (1 << 20),
+            )
 
     def kv_cache_summary(self) -> str:
         """The KV pool in one line; with sliding-window groups, what it holds of
@@ -363,7 +377,9 @@ class _StepPlan:
         for seq, n in zip(seqs, num_new_tokens):
             self.token_starts.append(offset)
             start = seq.num_computed_tokens
-            self.inputs.append(StepInput(seq.token_ids[start : start + n], start, seq.block_tables))
+            self.inputs.append(
+                StepInput(seq.token_ids[start : start + n], start, seq.block_tables, seq.state_slot)
+            )
             if seq.prompt_logprobs is not None:
                 # Positions whose next prompt token has no entry yet (a preempted sequence
                 # recomputes positions it already recorded).

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from atom.engine.block_manager import BlockManager
 from atom.engine.sequence import Sequence, SequenceStatus
+from atom.engine.state_cache import StateSlots
 
 
 @dataclass
@@ -25,8 +26,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        state_slots: StateSlots | None = None,
+    ):
+        """state_slots: a hybrid model's state pool rows, one per running sequence."""
         self.block_manager = block_manager
+        self.state_slots = state_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -76,6 +85,8 @@ class Scheduler:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
+            if self.state_slots is not None:
+                seq.state_slot = self.state_slots.take()
             self.running[seq] = None
             chosen.append((seq, n))
             budget -= n
@@ -95,6 +106,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         del self.running[seq]
         self.block_manager.free_sequence(seq)
+        self._release_state(seq)  # the recompute starts from zeros
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -106,3 +118,9 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free_sequence(seq)
+        self._release_state(seq)
+
+    def _release_state(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.state_slots.release(seq.state_slot)
+            seq.state_slot = None

@@ -44,6 +44,7 @@ class Sequence:
         # num_released_blocks[g] entries of group g are pages its window freed.
         self.block_tables: list[list[int]] = []
         self.num_released_blocks: list[int] = []
+        self.state_slot: int | None = None  # a hybrid model's state pool row while scheduled
         self.num_hashed_blocks = 0
         self.last_block_hash: int | None = None
         # Completions of one seeded request draw different but reproducible tokens.

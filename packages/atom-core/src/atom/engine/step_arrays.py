@@ -24,6 +24,7 @@ class StepInput:
     token_ids: list[int]
     start_position: int  # tokens already in the cache
     block_tables: list[list[int]]  # one per KV-cache group (kv_groups.py), of equal length
+    state_slot: int | None = None  # its row in a hybrid model's state pools
 
 
 @dataclass
@@ -49,6 +50,8 @@ class StepArrays:
     seq_lens: np.ndarray  # [B] int32
     block_table: np.ndarray  # [B, G, width] int32, zero-padded
     num_decodes: int  # leading rows with one new token
+    state_slots: np.ndarray | None = None  # [B] int32, hybrid models only
+    has_initial_state: np.ndarray | None = None  # [B] bool: the sequence has cached tokens
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +94,10 @@ def build_step_arrays(batch: list[StepInput], block_size: int) -> StepArrays:
     positions = np.arange(num_tokens) + np.repeat(starts - query_start_loc[:-1], query_lens)
     pages = table[token_rows, :, positions // block_size].T.astype(np.int64)  # [G, T]
     ones = np.flatnonzero(query_lens != 1)
+    state_slots = has_initial_state = None
+    if num_seqs and batch[0].state_slot is not None:
+        state_slots = np.fromiter((x.state_slot for x in batch), np.int32, num_seqs)
+        has_initial_state = starts > 0  # no prefix cache for these: cached means computed here
     return StepArrays(
         input_ids=np.fromiter(chain.from_iterable(x.token_ids for x in batch), np.int64),
         positions=positions,
@@ -99,6 +106,8 @@ def build_step_arrays(batch: list[StepInput], block_size: int) -> StepArrays:
         seq_lens=seq_lens.astype(np.int32),
         block_table=table,
         num_decodes=int(ones[0]) if len(ones) else num_seqs,
+        state_slots=state_slots,
+        has_initial_state=has_initial_state,
     )
 
 
@@ -134,6 +143,9 @@ def upload(
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=lens_cpu,
     )
+    if arrays.state_slots is not None:
+        metadata.state_slots = torch.from_numpy(arrays.state_slots).to(device)
+        metadata.has_initial_state = torch.from_numpy(arrays.has_initial_state).to(device)
     return ids, pos, metadata
 
 

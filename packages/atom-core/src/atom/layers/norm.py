@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed import get_tp_group
@@ -57,3 +58,39 @@ def sharded_rms_norm(
         norm.weight * (x.float() * torch.rsqrt(mean_square[..., None] + norm.eps)).to(x.dtype)
         for x, norm, mean_square in zip(inputs, norms, mean_squares.unbind(-1))
     ]
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """RMSNorm whose checkpoint weight w is centred on zero and scales by (1 + w), in fp32
+    before rounding to the input dtype (Qwen3-Next, Qwen3.5). With `residual`, x is added
+    to it first and (normed, sum) returned, as `RMSNorm` does."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = residual = (x + residual).to(x.dtype)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of x then times silu(gate) (Gated DeltaNet's output norm): the normed value
+    rounded to x's dtype and weighted, then gated in fp32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)

@@ -61,6 +61,35 @@ _MLA = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+# Gated DeltaNet hybrids: three DeltaNet layers, then one full-attention layer (the
+# configs' default full_attention_interval of 4); two key heads of four value heads.
+_HYBRID = dict(
+    _MHA,
+    num_hidden_layers=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+_HYBRID_MOE = dict(
+    {k: v for k, v in _HYBRID.items() if k != "intermediate_size"},
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=96,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+# The released Qwen3.5 checkpoints are multimodal: the text model under text_config, and a
+# (here one-block) vision tower.
+_QWEN3_5_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=_HYBRID["hidden_size"],
+    patch_size=4,
+    num_position_embeddings=16,
+)
 
 # architecture -> (transformers config class, default fields)
 _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -140,6 +169,20 @@ _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             eos_token_id=2,
         ),
     ),
+    "Qwen3NextForCausalLM": (
+        "Qwen3NextConfig",
+        dict(_HYBRID_MOE, intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[]),
+    ),
+    "Qwen3_5ForCausalLM": ("Qwen3_5TextConfig", _HYBRID),
+    "Qwen3_5MoeForCausalLM": ("Qwen3_5MoeTextConfig", _HYBRID_MOE),
+    "Qwen3_5ForConditionalGeneration": (
+        "Qwen3_5Config",
+        dict(text_config=_HYBRID, vision_config=_QWEN3_5_VISION),
+    ),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "Qwen3_5MoeConfig",
+        dict(text_config=_HYBRID_MOE, vision_config=_QWEN3_5_VISION),
+    ),
     # An architecture ATOM does not implement: the hosts' fall-back path.
     "GPT2LMHeadModel": (
         "GPT2Config",
@@ -208,7 +251,9 @@ def write_checkpoint(
     dtype = torch.float32 if dtype is None else dtype
     torch.manual_seed(seed)
     config.dtype = dtype
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # A multimodal config (Qwen3.5's) is saved whole, vision tower included.
+    auto = getattr(config, "vision_config", None) and transformers.AutoModelForImageTextToText
+    model = (auto or transformers.AutoModelForCausalLM).from_config(config, dtype=dtype)
     if init_std is not None:
         with torch.no_grad():
             for param in model.parameters():
@@ -252,5 +297,5 @@ def _copy(value: Any) -> Any:
     if isinstance(value, list):
         return list(value)
     if isinstance(value, dict):
-        return dict(value)
+        return {k: _copy(v) for k, v in value.items()}
     return value

@@ -2,10 +2,12 @@
 
 from atom.kernels.triton import (
     activation,
+    causal_conv1d,
     fp8,
     fused_moe,
     fused_moe_mxfp4,
     fused_qkv,
+    gated_delta,
     kv_cache,
     mla,  # noqa: F401  (registers the MLA kernels)
     moe_routing,
@@ -17,10 +19,12 @@ from atom.kernels.triton import (
 
 __all__ = [
     "activation",
+    "causal_conv1d",
     "fp8",
     "fused_moe",
     "fused_moe_mxfp4",
     "fused_qkv",
+    "gated_delta",
     "kv_cache",
     "moe_routing",
     "norm",

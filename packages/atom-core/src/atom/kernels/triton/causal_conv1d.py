@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels.causal_conv1d import CAUSAL_CONV1D_OP
+from atom.kernels.policy import capturable, register
+
 ACTIVATIONS = (None, "silu")
 BLOCK_T = 16
 BLOCK_C = 128
@@ -187,6 +190,8 @@ def _check_inputs(x, weight, bias, conv_state, activation):
             f"conv_state {tuple(conv_state.shape)} must be [S, C={channels}, K-1={kernel - 1}]")  # fmt: skip
 
 
+@register(CAUSAL_CONV1D_OP, "triton")
+@capturable
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,

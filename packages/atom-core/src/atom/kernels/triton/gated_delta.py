@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels.gated_delta import GATED_DELTA_RULE_OP
+from atom.kernels.policy import capturable, register
 from atom.kernels.triton.causal_conv1d import check_varlen_batch
 
 L2NORM_EPS = tl.constexpr(1e-6)  # inside the square root, as HF's (and fla's) l2norm
@@ -281,6 +283,10 @@ def _chunk_bounds(query_start_loc: torch.Tensor, chunk: int) -> tuple[torch.Tens
     return both[0], both[1]
 
 
+# Capturable: the decode batches a CUDA graph captures (one token per sequence) take the
+# recurrent kernel, which never waits on the host; only the chunked path reads lengths.
+@register(GATED_DELTA_RULE_OP, "triton")
+@capturable
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

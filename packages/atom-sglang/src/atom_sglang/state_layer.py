@@ -1,0 +1,81 @@
+"""The state host ATOM's Gated DeltaNet layers get inside SGLang: a view of its mamba pool.
+
+The wrapper builds hybrid models inside `atom.layers.gated_delta_net.state_backend(
+factory)`; every ATOM `GatedDeltaNet` then owns an `SglangStateLayer`. SGLang decides
+its pools from the checkpoint's config alone: for Qwen3-Next / Qwen3.5 configs it
+allocates a `HybridReqToTokenPool` whose mamba pool holds each linear layer's conv and
+recurrent states per request row, sized from the same config fields ATOM's layer reads.
+Per step the layer takes, from ATOM's attention backend (`atom_sglang.backend`), the
+step's metadata with each request's mamba row (`state_metadata`) and its layer's states
+in ATOM's layout (`state_pools`).
+
+SGLang wraps the "atom" backend of such models in its `HybridLinearAttnBackend` (full
+attention layers go to ATOM's backend); SGLang's own linear backend beside it prepares
+metadata that ATOM's layers never read.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.model_executor.forward_context import get_attn_backend
+from torch import nn
+
+from atom.layers.gated_delta_net import GatedDeltaNet, StepState
+from atom_sglang.attention_layer import layer_index
+from atom_sglang.backend import AtomAttnBackend
+
+logger = logging.getLogger("sglang.atom_sglang.state_layer")
+
+
+def atom_backend() -> AtomAttnBackend:
+    """This step's ATOM backend, inside SGLang's hybrid wrapper or not."""
+    backend = get_attn_backend()
+    backend = getattr(backend, "full_attn_backend", backend)
+    if not isinstance(backend, AtomAttnBackend):
+        raise NotImplementedError(
+            "ATOM's Gated DeltaNet layers in SGLang read their states through ATOM's "
+            f"attention backend (attention_backend='atom'); this engine runs "
+            f"{type(backend).__name__}"
+        )
+    return backend
+
+
+class SglangStateLayer(nn.Module):
+    """SGLang's mamba-pool states of one ATOM Gated DeltaNet layer."""
+
+    def __init__(self, layer: GatedDeltaNet):
+        super().__init__()
+        self.layer_name = layer.prefix
+        self.layer_id = layer_index(f"{layer.prefix}.")
+        self.state_shapes = layer.state_shapes()
+        self.num_calls = 0
+
+    def step_state(self) -> StepState | None:
+        backend = atom_backend()
+        if not backend.has_state_pool:
+            raise NotImplementedError(
+                f"ATOM's {self.layer_name} keeps per-request states, but SGLang allocated "
+                f"no mamba pool ({type(backend.req_to_token_pool).__name__}) for this model"
+            )
+        metadata = backend.state_metadata
+        if metadata is None:  # an idle batch (no requests)
+            return None
+        self.num_calls += 1
+        conv_state, ssm_state = backend.state_pools(self.layer_id, self.state_shapes)
+        if self.num_calls == 1:
+            logger.info(
+                "ATOM Gated DeltaNet %s: states in SGLang's mamba pool, conv %s, recurrent %s",
+                self.layer_name,
+                list(conv_state.shape),
+                list(ssm_state.shape),
+            )
+        return metadata, conv_state, ssm_state
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_name!r}, layer_id={self.layer_id}"
+
+
+def sglang_state_factory(layer: GatedDeltaNet) -> SglangStateLayer:
+    """The factory `state_backend(...)` takes."""
+    return SglangStateLayer(layer)
