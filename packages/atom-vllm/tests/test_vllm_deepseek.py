@@ -13,9 +13,17 @@ needed): chunks of at most 48 tokens, and the shared prefix served from the cach
 from __future__ import annotations
 
 import pytest
-from vllm_harness import BLOCK_SIZE, ENGINE, PREFIX_BLOCKS, Job, result_of, rounds, run_jobs
+from vllm_harness import (
+    BLOCK_SIZE,
+    ENGINE,
+    PREFIX_BLOCKS,
+    Job,
+    native_greedy,
+    result_of,
+    rounds,
+    run_jobs,
+)
 
-from atom import LLM, SamplingParams
 from atom.registry import get_entry
 from atom.testing import hf_greedy
 from atom.testing.kv_scales import K_SCALE, write_with_kv_scales
@@ -67,19 +75,9 @@ def test_fp8_latent_cache_gives_the_native_engine_fp8_tokens(runs, fp8_checkpoin
     for layer in probe["attention"]:
         assert layer["kv_cache_dtype"] == "fp8" and layer["calls"] > 0
         assert layer["kv_scales"][0] == pytest.approx(K_SCALE)
-    native = LLM(
-        str(fp8_checkpoint),
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        kv_cache_dtype="fp8",
-        kv_cache_memory_bytes=ENGINE["kv_cache_memory_bytes"],
-        skip_tokenizer_init=True,
-    )
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for spec in rounds(FP8_ROUNDS):
-        outputs = native.generate(spec["prompts"], params, use_tqdm=False)
-        got = [r["token_ids"] for r in result.rounds[spec["name"]]]
-        assert got == [list(o.outputs[0].token_ids) for o in outputs], spec["name"]
+    native = native_greedy(fp8_checkpoint, rounds(FP8_ROUNDS), kv_cache_dtype="fp8")
+    for name, want in native.items():
+        assert [r["token_ids"] for r in result.rounds[name]] == want, name
     cached = [r["num_cached_tokens"] for r in result.rounds["prefix_reuse"]]
     assert cached == [PREFIX_BLOCKS * BLOCK_SIZE] * 3
 

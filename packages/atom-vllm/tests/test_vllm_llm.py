@@ -22,9 +22,17 @@ from __future__ import annotations
 import os
 
 import pytest
-from vllm_harness import BLOCK_SIZE, ENGINE, PREFIX_BLOCKS, Job, result_of, rounds, run_jobs
+from vllm_harness import (
+    BLOCK_SIZE,
+    ENGINE,
+    PREFIX_BLOCKS,
+    Job,
+    native_greedy,
+    result_of,
+    rounds,
+    run_jobs,
+)
 
-from atom import LLM, SamplingParams
 from atom.registry import get_entry
 from atom.testing import hf_greedy
 from atom.testing.kv_scales import K_SCALE, V_SCALE, write_with_kv_scales
@@ -222,19 +230,9 @@ def test_fp8_kv_cache_gives_the_native_engine_fp8_tokens(runs, fp8_checkpoint):
     assert all(layer["calls"] > 0 for layer in layers)
     for layer in layers:  # fp32 in the checkpoint
         assert layer["kv_scales"] == pytest.approx([K_SCALE, V_SCALE])
-    native = LLM(
-        str(fp8_checkpoint),
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        kv_cache_dtype="fp8",
-        kv_cache_memory_bytes=ENGINE["kv_cache_memory_bytes"],
-        skip_tokenizer_init=True,
-    )
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for spec in rounds(12):
-        outputs = native.generate(spec["prompts"], params, use_tqdm=False)
-        want = [list(o.outputs[0].token_ids) for o in outputs]
-        assert tokens(result, spec["name"]) == want, spec["name"]
+    native = native_greedy(fp8_checkpoint, rounds(12), kv_cache_dtype="fp8")
+    for name, want in native.items():
+        assert tokens(result, name) == want, name
 
 
 def test_unsupported_architecture_runs_with_vllm_class(runs):

@@ -168,3 +168,26 @@ def rounds(seed: int) -> list[dict]:
         {"name": "prefix_warm", "prompts": [prefix + suffixes[0]]},
         {"name": "prefix_reuse", "prompts": [prefix + s for s in suffixes[1:]]},
     ]
+
+
+def native_greedy(model: Path, rounds_: list[dict], **engine: Any) -> dict[str, list[list[int]]]:
+    """ATOM's native engine's greedy tokens for each round (fp32, the jobs' block size and
+    KV budget, 8 tokens as the jobs generate)."""
+    from atom import LLM, SamplingParams
+
+    llm = LLM(
+        str(model),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=ENGINE["kv_cache_memory_bytes"],
+        skip_tokenizer_init=True,
+        **engine,
+    )
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return {
+        spec["name"]: [
+            list(o.outputs[0].token_ids)
+            for o in llm.generate(spec["prompts"], params, use_tqdm=False)
+        ]
+        for spec in rounds_
+    }

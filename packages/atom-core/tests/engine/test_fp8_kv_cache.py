@@ -29,6 +29,10 @@ KV_BYTES = 1 << 20
 # 2026-11-25); the bound, 15%, still catches a lost or wrong scale (with scales that
 # saturate V the logits moved by ~90%).
 LOGITS_RTOL = 0.15
+# DeepSeek-V2's latents are keys and values at once and feed W_UK and W_UV, so the rounding
+# shows more: 6-23% of the largest logit across the checkpoints transformers 5.12 / 5.24
+# draw (measured 2026-11-25); scales that saturate the latents move them by ~120%.
+MLA_LOGITS_RTOL = 0.35
 # GPU (Triton) against CPU (torch reference), both fp8: the same quantized cache up to rare
 # one-step rounding flips where fp32 K/V differ in the last bit.
 GPU_RTOL = 1e-2
@@ -140,13 +144,13 @@ def test_mla_fp8_latent_cache(tmp_path):
     checkpoint's k_scale as the latent rows' scale (layer 0: vLLM's name, layer 1:
     compressed-tensors')."""
     folder = write_checkpoint(v2_config(), tmp_path / "deepseek", init_std=0.1)
-    assert 0 < relative_logits_gap(folder) < LOGITS_RTOL
+    assert 0 < relative_logits_gap(folder) < MLA_LOGITS_RTOL
     scaled = write_with_kv_scales(folder, tmp_path / "deepseek-kv-scales")
     llm = engine(scaled, kv_cache_dtype="fp8")
     impls = [m for m in llm.engine.model.modules() if isinstance(m, NativeMLAImpl)]
     assert [impl.k_scale for impl in impls] == [pytest.approx(K_SCALE)] * 2
     assert impls[0].kv_cache.dtype == torch.float8_e4m3fn
-    assert 0 < relative_logits_gap(scaled) < LOGITS_RTOL
+    assert 0 < relative_logits_gap(scaled) < MLA_LOGITS_RTOL
 
 
 def test_fp8_on_a_gpu_without_fp8_kernels(checkpoint, monkeypatch):

@@ -23,6 +23,7 @@ from atom.kernels.fp8 import FP8_DTYPE, quantize_fp8_per_token_group
 from atom.kernels.moe import check_moe_activation
 from atom.kernels.policy import capturable, register
 from atom.kernels.triton.moe_align import align_to_experts
+from atom.kernels.triton.tiles import grouped_tile
 
 # Weight scale kinds (constexpr SCALES).
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
@@ -83,13 +84,7 @@ def _scale_ptrs(scale_base, b_rows, stride_bsn, SCALES: tl.constexpr, GROUP_N: t
 def program_block(block_expert_ptr, max_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(M-block, N-tile, expert) of this program. GROUP_M M-blocks sweep each N-tile before
     the next one starts, so their weight tiles are still in L2."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    blocks_per_group = GROUP_M * num_pid_n
-    first_m = (pid // blocks_per_group) * GROUP_M
-    group_rows = tl.minimum(max_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % blocks_per_group) % group_rows
-    pid_n = (pid % blocks_per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     return pid_m, pid_n, tl.load(block_expert_ptr + pid_m)
 
 

@@ -18,6 +18,7 @@ from atom.layers.quantization.w4a16 import (
     W4A16LinearMethod,
     checkpoint_param,
     drop_params,
+    grouped_zeros_and_scales,
     unpack_int4,
 )
 
@@ -29,19 +30,11 @@ class AwqLinearMethod(W4A16LinearMethod):
     format = "awq"
 
     def create_format_weights(self, layer, shape: LayerShape, scale_dtype, weight_loader):
-        k, n, g = shape.input_size, shape.output_size, shape.group_size
-        group_dim = 0 if shape.groups_sharded else None
+        k, n = shape.input_size, shape.output_size
         checkpoint_param(
             layer, "qweight", (k, n // 8), torch.int32, (0, 1), {1: 8}, weight_loader
         )  # fmt: skip
-        checkpoint_param(
-            layer, "qzeros", (shape.num_groups, n // 8), torch.int32, (group_dim, 1),
-            {0: g, 1: 8}, weight_loader,
-        )  # fmt: skip
-        checkpoint_param(
-            layer, "scales", (shape.num_groups, n), scale_dtype, (group_dim, 1), {0: g},
-            weight_loader,
-        )  # fmt: skip
+        grouped_zeros_and_scales(layer, shape, scale_dtype, weight_loader)
 
     def decode(self, layer):
         qweight, qzeros, scales = drop_params(layer, "qweight", "qzeros", "scales")

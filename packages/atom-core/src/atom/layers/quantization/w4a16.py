@@ -60,6 +60,22 @@ def checkpoint_param(
     layer.register_parameter(name, param)
 
 
+def grouped_zeros_and_scales(
+    layer: nn.Module, shape: LayerShape, scale_dtype, weight_loader
+) -> None:
+    """AWQ's and GPTQ's per-group tensors: `qzeros` int32 [G, N/8] (packed along the
+    output axis) and `scales` [G, N]."""
+    group_dim = 0 if shape.groups_sharded else None
+    checkpoint_param(
+        layer, "qzeros", (shape.num_groups, shape.output_size // 8), torch.int32,
+        (group_dim, 1), {0: shape.group_size, 1: 8}, weight_loader,
+    )  # fmt: skip
+    checkpoint_param(
+        layer, "scales", (shape.num_groups, shape.output_size), scale_dtype, (group_dim, 1),
+        {0: shape.group_size}, weight_loader,
+    )  # fmt: skip
+
+
 @dataclass
 class LayerShape:
     """A layer's rank-local sizes and the group layout its checkpoint tensors follow."""
