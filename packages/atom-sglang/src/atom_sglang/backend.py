@@ -248,6 +248,12 @@ class AtomAttnBackend(AttentionBackend):
     # ------------------------------------------------------------ CUDA graphs (decode)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if self.has_state_pool:
+            # The captured steps would need the state rows in static buffers too.
+            raise NotImplementedError(
+                "ATOM's hybrid (Gated DeltaNet) models in SGLang run without CUDA graphs: "
+                "start SGLang with --disable-cuda-graph"
+            )
         width = -(-self.max_context_len // self.page_size)
         kw = {"device": self.device}
         self.graph_buffers = {
