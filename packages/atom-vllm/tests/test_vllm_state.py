@@ -112,6 +112,13 @@ def test_state_builder_gives_each_request_its_mamba_block(checkpoints):
     assert md.has_initial_state.tolist() == [True, True, False, True]
     assert (md.num_decodes, md.host_query_start_loc()) == (2, qsl.tolist())
 
+    with pytest.raises(NotImplementedError, match="without speculative decoding"):
+        AtomStateMetadataBuilder(
+            MambaSpec(**{**spec.__dict__, "num_speculative_blocks": 2}),
+            ["l"],
+            config,
+            torch.device("cpu"),
+        )
     config.cache_config.mamba_cache_mode = "align"
     with pytest.raises(NotImplementedError, match="mamba_cache_mode='none'"):
         AtomStateMetadataBuilder(spec, ["l"], config, torch.device("cpu"))

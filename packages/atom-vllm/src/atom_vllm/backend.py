@@ -326,6 +326,12 @@ class AtomStateMetadataBuilder(AtomAttentionMetadataBuilder):
             raise NotImplementedError(
                 f"ATOM's state backend needs mamba_cache_mode='none', got {mode!r}"
             )
+        if getattr(kv_cache_spec, "num_speculative_blocks", 0):
+            # Draft tokens would need a state block each; ATOM keeps one per request.
+            raise NotImplementedError(
+                "ATOM's hybrid models in vLLM run without speculative decoding "
+                f"(num_speculative_tokens={vllm_config.num_speculative_tokens})"
+            )
         # A captured decode step reads has_initial_state from the address it saw at
         # capture (the other fields are views of vLLM's persistent buffers).
         scheduler = vllm_config.scheduler_config
