@@ -227,12 +227,6 @@ class AtomAttnBackend(AttentionBackend):
     # ------------------------------------------------------------ CUDA graphs (decode)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        if self.has_state_pool:
-            # The captured steps would need the state rows in static buffers too.
-            raise NotImplementedError(
-                "ATOM's hybrid (Gated DeltaNet) models in SGLang run without CUDA graphs: "
-                "start SGLang with --disable-cuda-graph"
-            )
         width = -(-self.max_context_len // self.page_size)
         kw = {"device": self.device}
         self.graph_buffers = {
@@ -251,6 +245,9 @@ class AtomAttnBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
         """Refills the static buffers from a padded decode batch (capture and replay)."""
+        # No state rows for captured steps: ATOM's hybrid models refuse decode graphs
+        # (atom_sglang.model); SGLang's own hybrids read their rows themselves.
+        self.state_metadata = None
         if not forward_batch.forward_mode.is_decode_or_idle():
             raise NotImplementedError("ATOM's backend captures decode steps only")
         buffers = self.graph_buffers

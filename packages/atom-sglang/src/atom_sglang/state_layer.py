@@ -81,7 +81,7 @@ class SglangStateLayer(nn.Module):
                 f"no mamba pool ({type(backend.req_to_token_pool).__name__}) for this model"
             )
         metadata = backend.state_metadata
-        if metadata is None:  # an idle batch (no requests)
+        if metadata is None:  # an idle batch (no requests; captured steps are refused)
             return None
         self.num_calls += 1
         conv_state, ssm_state = mamba_pool_states(
