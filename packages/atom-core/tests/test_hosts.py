@@ -85,3 +85,28 @@ def test_coordinator_group_adapter():
     assert (group.rank, group.world_size) == (1, 2)
     assert group.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
     assert group.all_gather(torch.ones(1, 2), dim=0).shape == (2, 2)
+
+
+def test_state_slots_from_host_rows_and_computed_tokens():
+    """A host's per-request state rows and computed tokens as the schema's state fields:
+    a decode and a later chunk continue their state, a first chunk starts from zeros."""
+    from atom.forward_context import AttentionMetadata
+    from atom.hosts.state import with_state_slots
+
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 6, 10], dtype=torch.int32),
+        seq_lens=torch.tensor([8, 5, 12], dtype=torch.int32),
+        block_table=torch.zeros(3, 1, dtype=torch.int32),
+        slot_mapping=torch.arange(10),
+        num_decodes=1,
+        num_decode_tokens=1,
+        max_query_len=5,
+        max_seq_len=12,
+    )
+    rows = torch.tensor([7, 2, 11, 0], dtype=torch.int64)  # a host's padded row list
+    out = with_state_slots(metadata, rows, torch.tensor([7, 0, 8, 0]))
+    assert out.state_slots.dtype == torch.int32 and out.state_slots.tolist() == [7, 2, 11]
+    assert out.has_initial_state.tolist() == [True, False, True]
+    assert metadata.state_slots is None  # a copy: the attention layers' metadata is unchanged
+    with pytest.raises(ValueError, match="state_slots has 2 rows .* 3 requests"):
+        with_state_slots(metadata, rows[:2], torch.zeros(3))

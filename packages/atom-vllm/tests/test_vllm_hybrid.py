@@ -10,6 +10,8 @@ requests' decodes, prefix caching asked for, which the plugin turns off for thes
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from vllm_harness import ENGINE, Job, result_of, rounds, run_jobs
 
@@ -23,13 +25,22 @@ HYBRIDS = ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"
 SERVED = set(served_architectures())
 
 
+TP2 = (os.cpu_count() or 1) >= 2
+
+
 @pytest.fixture(scope="module")
 def runs(checkpoints, tmp_path_factory):
+    atom = {**ENGINE, "model_impl": "atom"}
     jobs = [
-        Job(f"{arch}-atom", checkpoints(arch), {**ENGINE, "model_impl": "atom"}, rounds(20 + i))
+        Job(f"{arch}-atom", checkpoints(arch), atom, rounds(20 + i))
         for i, arch in enumerate(HYBRIDS)
         if arch in SERVED
     ]
+    if TP2 and HYBRIDS[0] in SERVED:
+        # Each rank holds one of the two key heads (and its value heads): half the states.
+        tp2 = {**atom, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
+        jobs.append(Job(f"{HYBRIDS[0]}-atom-tp2", checkpoints(HYBRIDS[0]), tp2, rounds(20), env))
     return run_jobs(jobs, tmp_path_factory.mktemp("vllm-hybrid"))
 
 
@@ -73,3 +84,24 @@ def test_deltanet_states_live_in_vllm_mamba_cache(runs, checkpoints, arch):
     # Prefix caching was asked for and turned off, with one line (atom_vllm.patches, 3).
     assert result.log.count("prefix caching off") == 1, result.log[-3000:]
     assert all(r["num_cached_tokens"] == 0 for r in result.rounds["prefix_reuse"])
+
+
+def test_tensor_parallel_states_are_sharded_and_tokens_equal_hf(runs, checkpoints):
+    arch = HYBRIDS[0]
+    needs(arch)
+    if not TP2:
+        pytest.skip("needs two cores")
+    import torch
+    from transformers import AutoConfig
+
+    result = result_of(runs, f"{arch}-atom-tp2")
+    for spec in rounds(20):
+        got = [r["token_ids"] for r in result.rounds[spec["name"]]]
+        assert got == hf_greedy(checkpoints(arch), spec["prompts"], 8), spec["name"]
+    config = AutoConfig.from_pretrained(checkpoints(arch))
+    want = [[list(s), str(d)] for s, d in config_state_shapes(config, 2, torch.float32)]
+    assert len(result.probe) == 2
+    for rank in result.probe:
+        states = [x for x in rank["attention"] if x["layer_class"] == "VllmStateLayer"]
+        assert states and all(x["calls"] > 0 for x in states)
+        assert all([[s[1:], d] for s, d in x["states"]] == want for x in states)

@@ -4,6 +4,8 @@ metadata builder over vLLM's real CommonAttentionMetadata."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from vllm.engine.arg_utils import EngineArgs
@@ -32,16 +34,20 @@ def engine_config(checkpoints, **kwargs):
     return args.create_engine_config()
 
 
-def test_hybrid_models_run_without_prefix_caching(checkpoints, capsys):
+def test_hybrid_models_run_without_prefix_caching(checkpoints, monkeypatch):
     """Patch 3, inside vLLM's own config construction: prefix caching off, so vLLM's
     hybrid hook keeps one state per request (mamba cache mode "none")."""
-    capsys.readouterr()
+    from atom_vllm import patches
+
+    messages = []
+    logger = logging.getLogger("test.atom_vllm.patches")  # vLLM's own logging set-up
+    monkeypatch.setattr(logger, "info", lambda msg, *args: messages.append(msg % args))
+    monkeypatch.setattr(patches, "logger", logger)  # varies with the tests run before
     config = engine_config(checkpoints, model_impl="atom")
     assert config.model_config.is_hybrid
     assert not config.cache_config.enable_prefix_caching
     assert config.cache_config.mamba_cache_mode == "none"
-    out = capsys.readouterr()
-    assert (out.out + out.err).count("prefix caching off") == 1  # vLLM's log handler
+    assert sum("prefix caching off" in m for m in messages) == 1, messages
 
 
 def test_vllm_own_implementation_keeps_prefix_caching(checkpoints):
@@ -106,6 +112,13 @@ def test_state_builder_gives_each_request_its_mamba_block(checkpoints):
     assert md.has_initial_state.tolist() == [True, True, False, True]
     assert (md.num_decodes, md.host_query_start_loc()) == (2, qsl.tolist())
 
+    with pytest.raises(NotImplementedError, match="without speculative decoding"):
+        AtomStateMetadataBuilder(
+            MambaSpec(**{**spec.__dict__, "num_speculative_blocks": 2}),
+            ["l"],
+            config,
+            torch.device("cpu"),
+        )
     config.cache_config.mamba_cache_mode = "align"
     with pytest.raises(NotImplementedError, match="mamba_cache_mode='none'"):
         AtomStateMetadataBuilder(spec, ["l"], config, torch.device("cpu"))

@@ -28,8 +28,7 @@ row of its mamba pool (`HybridReqToTokenPool`: `req_pool_indices` -> mamba indic
 keeps every linear layer's conv and recurrent states there. The backend adds each step's
 `state_metadata`: the step's metadata with those rows as `state_slots` and
 `has_initial_state` from the tokens computed before the step
-(`atom.hosts.state.with_state_slots`); `state_pools(layer_id, shapes)` views a layer's
-states in the layout ATOM's ops take (`atom_sglang.state_layer` hands both to the layer).
+(`atom.hosts.state.with_state_slots`), which `atom_sglang.state_layer` hands the layers.
 
 An fp8 pool (`--kv-cache-dtype fp8_e4m3`, stored as uint8, read as float8_e4m3fn) is
 ATOM's fp8 cache: the kernels quantize on write and dequantize on read with each layer's
@@ -225,26 +224,6 @@ class AtomAttnBackend(AttentionBackend):
                 forward_batch.seq_lens[:bs] - query_lens,
             )
 
-    def state_pools(
-        self, layer_id: int, shapes: list[tuple[tuple[int, ...], torch.dtype]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_id`'s (conv, recurrent) states in SGLang's mamba pool, viewed as
-        `[rows, *shape]` of ATOM's `shapes`. SGLang's conv state is ATOM's `[C, K-1]`; its
-        recurrent state `[Hv, Dv, Dk]` is only ever written by ATOM's ops here (SGLang
-        zeroes, copies and moves whole rows), so its bytes hold ATOM's `[Hv, Dk, Dv]`."""
-        cache = self.req_to_token_pool.mamba2_layer_cache(layer_id)
-        pools = (cache.conv[0], cache.temporal)
-        for pool, (shape, dtype), what in zip(pools, shapes, ("conv", "recurrent")):
-            if pool.dtype != dtype or pool.shape[1:].numel() != torch.Size(shape).numel():
-                raise NotImplementedError(
-                    f"ATOM's Gated DeltaNet (layer {layer_id}) keeps its {what} state as "
-                    f"{dtype} {list(shape)}; SGLang's mamba pool holds {pool.dtype} "
-                    f"{list(pool.shape[1:])} (conv dtype: SGLANG_MAMBA_CONV_DTYPE, the "
-                    "model dtype; recurrent: SGLANG_MAMBA_SSM_DTYPE / mamba_ssm_dtype, "
-                    "float32)"
-                )
-        return tuple(pool.view(pool.shape[0], *shape) for pool, (shape, _) in zip(pools, shapes))
-
     # ------------------------------------------------------------ CUDA graphs (decode)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -266,6 +245,9 @@ class AtomAttnBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
         """Refills the static buffers from a padded decode batch (capture and replay)."""
+        # No state rows for captured steps: ATOM's hybrid models refuse decode graphs
+        # (atom_sglang.model); SGLang's own hybrids read their rows themselves.
+        self.state_metadata = None
         if not forward_batch.forward_mode.is_decode_or_idle():
             raise NotImplementedError("ATOM's backend captures decode steps only")
         buffers = self.graph_buffers

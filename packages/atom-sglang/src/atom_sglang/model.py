@@ -52,7 +52,7 @@ from atom_sglang.patches import (
     decode_graphs_enabled,
     keep_prefill_eager,
 )
-from atom_sglang.state_layer import sglang_state_factory
+from atom_sglang.state_layer import SglangStateLayer, sglang_state_factory
 
 logger = logging.getLogger("sglang.atom_sglang.model")
 
@@ -92,6 +92,14 @@ class AtomForCausalLM(nn.Module):
                 f"ATOM {self.entry.architecture} on this device cannot be captured in CUDA "
                 f"graphs ({', '.join(blockers)}): run SGLang with disable_cuda_graph=True "
                 "(--disable-cuda-graph)"
+            )
+        if decode_graphs_enabled() and any(
+            isinstance(m, SglangStateLayer) for m in atom_model.modules()
+        ):
+            # The captured decode steps would need the state rows in static buffers.
+            raise UnsupportedSglangFeature(
+                f"ATOM {self.entry.architecture} (Gated DeltaNet states) runs without CUDA "
+                "graphs in SGLang: start it with disable_cuda_graph=True (--disable-cuda-graph)"
             )
         if capture_decode_batches_up_to(DECODE_GRAPH_MAX_BS):
             logger.info(

@@ -6,8 +6,8 @@ its pools from the checkpoint's config alone: for Qwen3-Next / Qwen3.5 configs i
 allocates a `HybridReqToTokenPool` whose mamba pool holds each linear layer's conv and
 recurrent states per request row, sized from the same config fields ATOM's layer reads.
 Per step the layer takes, from ATOM's attention backend (`atom_sglang.backend`), the
-step's metadata with each request's mamba row (`state_metadata`) and its layer's states
-in ATOM's layout (`state_pools`).
+step's metadata with each request's mamba row (`state_metadata`), and views its layer's
+states in the pool in ATOM's layout (`mamba_pool_states`).
 
 SGLang wraps the "atom" backend of such models in its `HybridLinearAttnBackend` (full
 attention layers go to ATOM's backend); SGLang's own linear backend beside it prepares
@@ -17,11 +17,13 @@ metadata that ATOM's layers never read.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+import torch
 from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
-from atom.layers.gated_delta_net import GatedDeltaNet, StepState
+from atom.layers.gated_delta_net import GatedDeltaNet, StateShapes, StepState
 from atom_sglang.attention_layer import layer_index
 from atom_sglang.backend import AtomAttnBackend
 
@@ -39,6 +41,26 @@ def atom_backend() -> AtomAttnBackend:
             f"{type(backend).__name__}"
         )
     return backend
+
+
+def mamba_pool_states(
+    req_to_token_pool: Any, layer_id: int, shapes: StateShapes
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer_id`'s (conv, recurrent) states in SGLang's mamba pool, viewed as
+    `[rows, *shape]` of ATOM's `shapes`. SGLang's conv state is ATOM's `[C, K-1]`; its
+    recurrent state `[Hv, Dv, Dk]` is only ever written by ATOM's ops here (SGLang zeroes,
+    copies and moves whole rows), so its bytes hold ATOM's `[Hv, Dk, Dv]`."""
+    cache = req_to_token_pool.mamba2_layer_cache(layer_id)
+    pools = (cache.conv[0], cache.temporal)
+    for pool, (shape, dtype), what in zip(pools, shapes, ("conv", "recurrent")):
+        if pool.dtype != dtype or pool.shape[1:].numel() != torch.Size(shape).numel():
+            raise NotImplementedError(
+                f"ATOM's Gated DeltaNet (layer {layer_id}) keeps its {what} state as {dtype} "
+                f"{list(shape)}; SGLang's mamba pool holds {pool.dtype} "
+                f"{list(pool.shape[1:])} (conv dtype: SGLANG_MAMBA_CONV_DTYPE, the model "
+                "dtype; recurrent: SGLANG_MAMBA_SSM_DTYPE / mamba_ssm_dtype, float32)"
+            )
+    return tuple(pool.view(pool.shape[0], *shape) for pool, (shape, _) in zip(pools, shapes))
 
 
 class SglangStateLayer(nn.Module):
@@ -59,10 +81,12 @@ class SglangStateLayer(nn.Module):
                 f"no mamba pool ({type(backend.req_to_token_pool).__name__}) for this model"
             )
         metadata = backend.state_metadata
-        if metadata is None:  # an idle batch (no requests)
+        if metadata is None:  # an idle batch (no requests; captured steps are refused)
             return None
         self.num_calls += 1
-        conv_state, ssm_state = backend.state_pools(self.layer_id, self.state_shapes)
+        conv_state, ssm_state = mamba_pool_states(
+            backend.req_to_token_pool, self.layer_id, self.state_shapes
+        )
         if self.num_calls == 1:
             logger.info(
                 "ATOM Gated DeltaNet %s: states in SGLang's mamba pool, conv %s, recurrent %s",

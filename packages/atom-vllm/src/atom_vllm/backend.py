@@ -326,6 +326,21 @@ class AtomStateMetadataBuilder(AtomAttentionMetadataBuilder):
             raise NotImplementedError(
                 f"ATOM's state backend needs mamba_cache_mode='none', got {mode!r}"
             )
+        if getattr(kv_cache_spec, "num_speculative_blocks", 0):
+            # Draft tokens would need a state block each; ATOM keeps one per request.
+            raise NotImplementedError(
+                "ATOM's hybrid models in vLLM run without speculative decoding "
+                f"(num_speculative_tokens={vllm_config.num_speculative_tokens})"
+            )
+        # A captured decode step reads has_initial_state from the address it saw at
+        # capture (the other fields are views of vLLM's persistent buffers).
+        scheduler = vllm_config.scheduler_config
+        max_reqs = max(  # padded capture batches may exceed max_num_seqs
+            scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens,
+            vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+        )
+        self.has_initial_state = torch.zeros(max_reqs, dtype=torch.bool, device=device)
 
     def build(
         self,
@@ -334,9 +349,12 @@ class AtomStateMetadataBuilder(AtomAttentionMetadataBuilder):
         fast_build: bool = False,
     ) -> AttentionMetadata:
         cm = common_attn_metadata
-        return with_state_slots(
+        metadata = with_state_slots(
             to_atom_metadata(cm), cm.block_table_tensor[:, 0], cm.compute_num_computed_tokens()
         )
+        static = self.has_initial_state[: metadata.num_seqs]
+        metadata.has_initial_state = static.copy_(metadata.has_initial_state)
+        return metadata
 
 
 class AtomStateBackend(AttentionBackend):
