@@ -4,10 +4,10 @@ tokens identical to HF transformers and to each other."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from atom import LLM, SamplingParams
-from tests.models.harness import load_hf, make_prompts, write_checkpoint
+from atom.testing import references
+from tests.models.harness import make_prompts, write_checkpoint
 from tests.models.test_llama import qwen3_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -25,19 +25,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def hf_greedy(checkpoint, prompts):
-    hf = load_hf(checkpoint)
-    outputs = []
-    for prompt in prompts:
-        with torch.inference_mode():
-            ids = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=12,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        outputs.append(ids[0, len(prompt) :].tolist())
-    return outputs
+    return references.hf_greedy(checkpoint, prompts, GREEDY.max_tokens)
 
 
 def tokens(outputs) -> list[list[int]]:

@@ -13,8 +13,8 @@ import torch
 from atom import LLM, SamplingParams
 from atom.engine.model_runner import kv_cache_bytes_per_block
 from atom.engine.state_cache import StateSlots, num_state_slots, state_bytes_per_slot
-from atom.testing import tiny_config
-from tests.models.harness import load_hf, make_prompts, write_with_random_vectors
+from atom.testing import references, tiny_config
+from tests.models.harness import make_prompts, write_with_random_vectors
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 ASYNC = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
@@ -33,19 +33,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def hf_greedy(checkpoint, prompts):
-    hf = load_hf(checkpoint)
-    outputs = []
-    for prompt in prompts:
-        with torch.inference_mode():
-            ids = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=GREEDY.max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        outputs.append(ids[0, len(prompt) :].tolist())
-    return outputs
+    return references.hf_greedy(checkpoint, prompts, GREEDY.max_tokens)
 
 
 def engine(checkpoint, **kwargs) -> LLM:
