@@ -136,11 +136,22 @@ PREFILL_CASES = [
     "decodes, prefills, block_size, heads, nope, rope, value, latent", PREFILL_CASES
 )
 def test_mla_prefill(dtype, decodes, prefills, block_size, heads, nope, rope, value, latent):
+    def cache(num_pages):
+        return randn(num_pages, block_size, latent + rope, dtype=dtype, seed=1)
+
+    check_prefill(dtype, decodes, prefills, block_size, heads, nope, rope, value, latent, cache)
+
+
+def check_prefill(
+    dtype, decodes, prefills, block_size, heads, nope, rope, value, latent, make_cache,
+    kv_scale=1.0,
+):  # fmt: skip
+    """Triton's prefill against the reference over a cache of `make_cache(num_pages)`."""
     query_lens = [1] * len(decodes) + [n for _, n in prefills]
     seq_lens = decodes + [c + n for c, n in prefills]
     md, num_pages = paged_metadata(query_lens, seq_lens, block_size)
     assert md.num_decodes == len(decodes)
-    cache = randn(num_pages, block_size, latent + rope, dtype=dtype, seed=1)
+    cache = make_cache(num_pages)
     w_uk = randn(heads, nope, latent, dtype=dtype, seed=2) * latent**-0.5
     w_uv = randn(heads, value, latent, dtype=dtype, seed=3) * latent**-0.5
     num_prefill_tokens = md.num_tokens - md.num_decode_tokens
@@ -148,8 +159,8 @@ def test_mla_prefill(dtype, decodes, prefills, block_size, heads, nope, rope, va
     q_pe = randn(num_prefill_tokens, heads, rope, dtype=dtype, seed=5)
     args = (q_nope, q_pe, cache, md, (nope + rope) ** -0.5, w_uk, w_uv)
     out = q_nope.new_empty(num_prefill_tokens, heads, value)
-    got = mla.mla_prefill_attention_triton(*args, out.clone())
-    want = mla_prefill_attention_torch(*args, out.clone())
+    got = mla.mla_prefill_attention_triton(*args, out.clone(), kv_scale)
+    want = mla_prefill_attention_torch(*args, out.clone(), kv_scale)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
@@ -205,20 +216,12 @@ def test_mla_decode_fp8_cache(dtype, seq_lens, block_size, heads, latent, rope):
 def test_mla_prefill_fp8_cache(
     dtype, decodes, prefills, block_size, heads, nope, rope, value, latent
 ):
-    query_lens = [1] * len(decodes) + [n for _, n in prefills]
-    seq_lens = decodes + [c + n for c, n in prefills]
-    md, num_pages = paged_metadata(query_lens, seq_lens, block_size)
-    cache = fp8_cache(num_pages, block_size, latent + rope, seed=1)
-    w_uk = randn(heads, nope, latent, dtype=dtype, seed=2) * latent**-0.5
-    w_uv = randn(heads, value, latent, dtype=dtype, seed=3) * latent**-0.5
-    num_prefill_tokens = md.num_tokens - md.num_decode_tokens
-    q_nope = randn(num_prefill_tokens, heads, nope, dtype=dtype, seed=4)
-    q_pe = randn(num_prefill_tokens, heads, rope, dtype=dtype, seed=5)
-    args = (q_nope, q_pe, cache, md, (nope + rope) ** -0.5, w_uk, w_uv)
-    out = q_nope.new_empty(num_prefill_tokens, heads, value)
-    got = mla.mla_prefill_attention_triton(*args, out.clone(), KV_SCALE)
-    want = mla_prefill_attention_torch(*args, out.clone(), KV_SCALE)
-    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    def cache(num_pages):
+        return fp8_cache(num_pages, block_size, latent + rope, seed=1)
+
+    check_prefill(
+        dtype, decodes, prefills, block_size, heads, nope, rope, value, latent, cache, KV_SCALE
+    )
 
 
 def native_impl(device) -> NativeMLAImpl:
