@@ -16,6 +16,7 @@ from functools import partial
 import torch
 
 from atom.forward_context import AttentionMetadata
+from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
 from atom.kernels.paged_attention import gather_pages
 from atom.kernels.rotary import compute_cos_sin_cache
 from atom.kernels.triton.activation import silu_and_mul_triton
@@ -96,6 +97,27 @@ def decode_rows():
         yield row | {"GB/s": gbps, "peak_fraction": gbps / H100_PEAK_GBPS}
 
 
+def fp8_decode_rows():
+    """Decode over an e4m3 cache (per-tensor scales, dequantized in the kernel) against the
+    same kernel over the bf16 cache; fp8_vs_bf16 = fp8 time / bf16 time."""
+    for batch, ctx in [(64, 8192), (16, 8192), (256, 1024), (128, 2048)]:
+        q, k, v, md, _, _ = paged_batch([1] * batch, [ctx - 1] * batch)
+        k8, v8 = (x.div(2.0).to(FP8_KV_CACHE_DTYPE) for x in (k, v))
+        out, out8 = torch.empty_like(q), torch.empty_like(q)
+        bf16 = partial(paged_attention_triton, q, k, v, md, 128**-0.5, None, None, out)
+        fp8 = partial(paged_attention_triton, q, k8, v8, md, 128**-0.5, None, None, out8,
+                      k_scale=2.0, v_scale=2.0)  # fmt: skip
+        bf16(), fp8()
+        error = (out.float() - out8.float()).abs().max().item()
+        bf16_times, fp8_times = interleaved([bf16, fp8], 5)
+        ms = statistics.median(fp8_times)
+        gbps = 2 * batch * ctx * 8 * 128 / ms / 1e6  # one byte per K and V element
+        yield {"kernel": "decode, fp8 KV", "shape": f"{batch} seqs x {ctx} ctx", "ms": ms,
+               "bf16_ms": statistics.median(bf16_times),
+               "fp8_vs_bf16": median_ratio(fp8_times, bf16_times), "max_abs_diff": error,
+               "GB/s": gbps, "peak_fraction": gbps / H100_PEAK_GBPS}  # fmt: skip
+
+
 def prefill_rows():
     fa3 = fa3_paged_attention()
     for batch, length in [(16, 2048), (4, 8192), (64, 512)]:
@@ -161,12 +183,22 @@ def qkv_prologue_rows():
                    "GB/s": gbps, "peak_fraction": gbps / H100_PEAK_GBPS}  # fmt: skip
 
 
+ROWS = {
+    "decode": decode_rows,
+    "fp8-decode": fp8_decode_rows,
+    "prefill": prefill_rows,
+    "elementwise": elementwise_rows,
+    "qkv-prologue": qkv_prologue_rows,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--only", nargs="+", choices=ROWS, default=list(ROWS))
     args = parser.parse_args()
     torch.manual_seed(0)
-    report([*decode_rows(), *prefill_rows(), *elementwise_rows(), *qkv_prologue_rows()], args.json)
+    report((row for name in args.only for row in ROWS[name]()), args.json)
 
 
 def report(rows: Iterable[dict], json_path: str | None, widths: tuple[int, int] = (22, 22)) -> None:
@@ -181,6 +213,8 @@ def report(rows: Iterable[dict], json_path: str | None, widths: tuple[int, int] 
     for row in rows:
         unit = "GB/s" if "GB/s" in row else "TFLOP/s"
         fa3 = f" {row['fa3_ms']:>9.4f} {row['vs_fa3']:>8.2f}" if "fa3_ms" in row else ""
+        if "fp8_vs_bf16" in row:
+            fa3 = f"  bf16 {row['bf16_ms']:.4f} ms, fp8/bf16 {row['fp8_vs_bf16']:.2f}, max diff {row['max_abs_diff']:.3g}"
         print(
             f"{row['kernel']:<{kernel_width}} {row['shape']:<{shape_width}} {row['ms']:>9.4f} "
             f"{row[unit]:>10.0f} {unit:<5} {row['peak_fraction']:>7.1%}{fa3}",

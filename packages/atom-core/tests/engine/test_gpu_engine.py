@@ -6,10 +6,19 @@ import pytest
 
 from atom import LLM, SamplingParams
 from atom.kernels.policy import selected_backend
-from tests.models.harness import check_greedy_generation, make_prompts, write_checkpoint
+from tests.models.harness import (
+    check_greedy_generation,
+    make_prompts,
+    write_checkpoint,
+    write_with_random_vectors,
+)
 from tests.models.test_deepseek import CASES as DEEPSEEK_CASES
+from tests.models.test_glm4_moe import CASES as GLM_CASES
+from tests.models.test_gpt_oss import CASES as GPT_OSS_CASES
 from tests.models.test_llama import CASES as DENSE_CASES
+from tests.models.test_minimax_m2 import CASES as MINIMAX_CASES
 from tests.models.test_moe_models import CASES as MOE_CASES
+from tests.models.test_qwen3_next import TEXT_MODELS, hybrid_config
 
 CASES = {**DENSE_CASES, **MOE_CASES, **DEEPSEEK_CASES}
 
@@ -25,6 +34,31 @@ pytestmark = pytest.mark.gpu
 def test_gpu_greedy_matches_hf(tmp_path, name, enforce_eager):
     assert selected_backend("paged_attention", "cuda") == "triton"
     folder = write_checkpoint(CASES[name], tmp_path, init_std=0.1)
+    check_greedy_generation(
+        folder,
+        prompt_lengths=[3, 11, 26, 70, 5, 9],
+        max_new_tokens=16,
+        device="cuda",
+        enforce_eager=enforce_eager,
+        max_num_seqs=8,
+    )
+
+
+# The 2026 families' kernels on the GPU: sinks and 128-or-less windows (GPT-OSS), grouped
+# sigmoid routing (GLM), QK-norm over all heads (MiniMax), and the Triton gated delta rule
+# and causal conv1d with their state pools (the hybrids; decode graphs carry the slots).
+NEW_FAMILIES = {
+    **{f"gpt-oss-{name}": case for name, case in GPT_OSS_CASES.items()},
+    "glm-4.5-dense1": GLM_CASES["glm-4.5-dense1"],
+    "minimax-m2": MINIMAX_CASES["m2"],
+    **{architecture: hybrid_config(architecture) for architecture in TEXT_MODELS},
+}
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+@pytest.mark.parametrize("name", list(NEW_FAMILIES))
+def test_gpu_new_families_greedy_match_hf(tmp_path, name, enforce_eager):
+    folder = write_with_random_vectors(NEW_FAMILIES[name], tmp_path)
     check_greedy_generation(
         folder,
         prompt_lengths=[3, 11, 26, 70, 5, 9],

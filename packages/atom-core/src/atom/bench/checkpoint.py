@@ -13,8 +13,12 @@ import shutil
 import sys
 from pathlib import Path
 
+from atom.bench.quantize import quantize_checkpoint
 
-def write_checkpoint(config_class: str, architecture: str, fields: dict, folder: Path) -> None:
+
+def write_checkpoint(
+    config_class: str, architecture: str, fields: dict, folder: Path, quantization: str | None
+) -> None:
     import torch
     import transformers
 
@@ -27,12 +31,21 @@ def write_checkpoint(config_class: str, architecture: str, fields: dict, folder:
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, safe_serialization=True)
+    if quantization:
+        del model  # the GPU memory goes to quantizing the shards
+        quantize_checkpoint(partial, quantization)
     partial.rename(folder)
 
 
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
-    write_checkpoint(job["config_class"], job["architecture"], job["fields"], Path(job["folder"]))
+    write_checkpoint(
+        job["config_class"],
+        job["architecture"],
+        job["fields"],
+        Path(job["folder"]),
+        job.get("quantization"),
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 from atom.bench.agreement import agreement, format_agreement
 from atom.bench.driver import EVENT
 from atom.bench.engines import DEFAULT_ENGINES, ENGINES, EngineSpec, engine_env, parse_engines
+from atom.bench.quantize import QUANTIZATIONS, check_quantization
 from atom.bench.report import add_ratios, format_table, median_rounds, write_json, write_plot
 from atom.bench.shapes import DEFAULT_SHAPES, SHAPES, Shape, parse_shapes
 from atom.bench.traffic import add_bandwidth, bytes_moved, element_bytes
@@ -43,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workloads",
         default=DEFAULT_WORKLOADS,
         help=f"NxIN->OUT,... (default: {DEFAULT_WORKLOADS})",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        help="quantize each shape's random checkpoint as this method's quantizer stores it "
+        "(gptq, awq: 4-bit group 128; mxfp4: GPT-OSS experts); every engine loads it with "
+        "its own kernels",
     )
     parser.add_argument("--baseline", help="engine the ratios divide by (default: vllm if run)")
     parser.add_argument("--vllm-path", help="prepended to PYTHONPATH of vLLM runs")
@@ -135,6 +143,7 @@ def ensure_checkpoint(shape: Shape, work: Path, clock: _Clock) -> Path:
                 config_class=shape.config_class,
                 architecture=shape.architecture,
                 fields=shape.fields,
+                quantization=shape.quantization,
                 folder=str(folder),
             )
         )
@@ -294,7 +303,8 @@ def kv_saving_line(event: dict) -> str:
 def resolve(args: argparse.Namespace) -> None:
     """Parses and checks the options in place; raises BenchError with the reason."""
     args.engine_list = parse_engines(args.engines)
-    args.shape_list = parse_shapes(args.shapes)
+    args.shape_list = parse_shapes(args.shapes, args.quantize)
+    check_quantization(args.quantize, [s.architecture for s in args.shape_list])
     args.workload_list = parse_workloads(args.workloads)
     names = [e.name for e in args.engine_list]
     if args.baseline is None:

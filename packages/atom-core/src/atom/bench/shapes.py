@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from atom.bench.workloads import BenchError
@@ -31,6 +31,7 @@ class Shape:
     config_class: str  # a transformers config class
     architecture: str
     fields: dict = field(hash=False)
+    quantization: str | None = None  # atom.bench.quantize's methods; None: bf16
 
     @property
     def num_layers(self) -> int:
@@ -42,7 +43,10 @@ class Shape:
 
     def cache_folder(self, root: Path) -> Path:
         """A folder per distinct config, so a changed shape never reuses a stale checkpoint."""
-        key = json.dumps([self.config_class, self.architecture, self.fields], sort_keys=True)
+        key = [self.config_class, self.architecture, self.fields]
+        if self.quantization:
+            key.append(self.quantization)
+        key = json.dumps(key, sort_keys=True)
         return (
             root / f"{self.name.replace(':', '-L')}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
         )
@@ -191,6 +195,44 @@ SHAPES = {
             tie_word_embeddings=False,
         ),
     ),
+    # Qwen3-Next-80B-A3B: three Gated DeltaNet layers to each gated full-attention layer
+    # (the config's default layer_types, which follow the depth), 512 experts (top 10)
+    # + a shared expert. `qwen3-next-80b-a3b:8` (two attention layers) fits one H100.
+    "qwen3-next-80b-a3b": Shape(
+        "qwen3-next-80b-a3b",
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5120,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            full_attention_interval=4,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            max_position_embeddings=262144,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+            },
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
     # MLA (512-wide latent cache), 64 routed + 2 shared experts, first layer dense.
     "deepseek-v2-lite": Shape(
         "deepseek-v2-lite",
@@ -261,7 +303,9 @@ SHAPES = {
 }
 
 
-def parse_shapes(text: str) -> list[Shape]:
+def parse_shapes(text: str, quantization: str | None = None) -> list[Shape]:
+    """`NAME[:LAYERS],...`; with `quantization`, each shape's checkpoint is quantized and
+    its name says so (`qwen3-8b:8+gptq`)."""
     shapes = []
     for item in (x.strip() for x in text.split(",")):
         name, _, layers = item.partition(":")
@@ -273,6 +317,8 @@ def parse_shapes(text: str) -> list[Shape]:
                 raise BenchError(f"shape {item!r}: the layer count after ':' must be >= 1")
             fields = dict(shape.fields, num_hidden_layers=int(layers))
             shape = Shape(item, shape.config_class, shape.architecture, fields)
+        if quantization:
+            shape = replace(shape, name=f"{shape.name}+{quantization}", quantization=quantization)
         shapes.append(shape)
     if len({s.name for s in shapes}) != len(shapes):
         raise BenchError(f"shapes {text!r} repeat one")

@@ -21,7 +21,7 @@ def quantize_mxfp4(linear):
 
     from atom.kernels.moe_mxfp4 import E2M1_MAGNITUDES
 
-    codes_by_value = torch.tensor(E2M1_MAGNITUDES)
+    codes_by_value = torch.tensor(E2M1_MAGNITUDES, device=linear.device)
     groups = linear.float().unflatten(-1, (-1, 32))
     amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
     exponent = torch.ceil(torch.log2(amax / 6.0))
@@ -30,6 +30,20 @@ def quantize_mxfp4(linear):
     codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks, (exponent.squeeze(-1) + 127).to(torch.uint8)
+
+
+def is_mxfp4_expert(name: str) -> bool:
+    """Whether the checkpoint tensor `name` is a GPT-OSS expert stack that MXFP4 stores."""
+    return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+def mxfp4_expert(name: str, tensor) -> dict:
+    """The `*_blocks` / `*_scales` pair stored for the expert stack `name` [E, K, N]."""
+    blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # the Linear layout
+    return {f"{name}_blocks": blocks, f"{name}_scales": scales}
+
+
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": _NOT_QUANTIZED}
 
 
 def write_mxfp4_pair(source: str | Path, folder: str | Path) -> tuple[Path, Path]:
@@ -43,16 +57,15 @@ def write_mxfp4_pair(source: str | Path, folder: str | Path) -> tuple[Path, Path
     source, folder = Path(source), Path(folder)
     quantized, dequantized = {}, {}
     for name, tensor in load_file(source / "model.safetensors").items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # the Linear layout
-            quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
-            dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=tensor.dtype)
+        if is_mxfp4_expert(name):
+            packed = mxfp4_expert(name, tensor)
+            quantized.update(packed)
+            dequantized[name] = convert_moe_packed_tensors(*packed.values(), dtype=tensor.dtype)
         else:
             quantized[name] = dequantized[name] = tensor
     config = json.loads((source / "config.json").read_text())
-    quant = {"quant_method": "mxfp4", "modules_to_not_convert": _NOT_QUANTIZED}
     for kind, tensors, fields in (
-        ("mxfp4", quantized, {**config, "quantization_config": quant}),
+        ("mxfp4", quantized, {**config, "quantization_config": MXFP4_CONFIG}),
         ("reference", dequantized, config),
     ):
         out = folder / kind

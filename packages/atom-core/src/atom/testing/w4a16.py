@@ -41,14 +41,14 @@ def _quantize(w, group_of_row, num_groups: int, symmetric: bool, scale_dtype):
     import torch
 
     n, k = w.shape
-    lo = torch.zeros(n, num_groups)
-    hi = torch.zeros(n, num_groups)
+    lo = w.new_zeros(n, num_groups)
+    hi = w.new_zeros(n, num_groups)
     for g in range(num_groups):
         rows = w[:, group_of_row == g]
         lo[:, g], hi[:, g] = rows.min(1).values, rows.max(1).values
     if symmetric:
         scales = (torch.maximum(hi.abs(), lo.abs()) / 7.5).clamp(min=1e-6)
-        zeros = torch.full((n, num_groups), 8.0)
+        zeros = torch.full_like(scales, 8.0)
     else:
         scales = ((hi - lo) / 15).clamp(min=1e-6)
     scales = scales.to(scale_dtype).float()
@@ -74,13 +74,24 @@ def _pack_last(codes, order=tuple(range(8))):
     return _words(grouped[..., list(order)]).contiguous()
 
 
-def _quantized_tensors(prefix: str, w, scheme: Scheme, perm) -> tuple[dict, object]:
+def is_quantized_linear(name: str) -> bool:
+    """Whether the checkpoint tensor `name` is a decoder linear's weight, which the 4-bit
+    formats quantize (embeddings, norms and the LM head stay as they are)."""
+    parts = name.split(".")
+    return len(parts) >= 3 and parts[-2] in LINEARS and parts[-1] == "weight"
+
+
+def quantized_linear(prefix: str, w, scheme: Scheme, perm=None) -> tuple[dict, object]:
+    """The tensors `scheme`'s quantizer stores for the linear `prefix` of weight w [N, K]
+    (on w's device), and the weight they stand for. perm: GPTQ act-order's row order."""
     import torch
 
     n, k = w.shape
     group = k if scheme.group_size == -1 else scheme.group_size
     num_groups = k // group
-    position = torch.arange(k) if perm is None else torch.argsort(perm)  # row -> rank in perm
+    position = (
+        torch.arange(k, device=w.device) if perm is None else torch.argsort(perm)
+    )  # row -> rank in perm
     group_of_row = position // group
     scale_dtype = torch.bfloat16 if scheme.fmt == "compressed-tensors" else torch.float16
     codes, zeros, scales, weight = _quantize(
@@ -155,17 +166,17 @@ def write_w4a16_pair(source: str | Path, folder: str | Path, scheme: Scheme) -> 
     perms: dict[tuple[str, int], torch.Tensor] = {}
     quantized, reference = {}, {}
     for name, tensor in load_file(source / "model.safetensors").items():
-        parts = name.split(".")
-        if len(parts) < 3 or parts[-2] not in LINEARS or parts[-1] != "weight":
+        if not is_quantized_linear(name):
             quantized[name] = reference[name] = tensor
             continue
         perm = None
         if scheme.act_order:
+            parts = name.split(".")
             key = (".".join(parts[:-3]), _INPUT_OF.get(parts[-2], 3))
             if key not in perms:
                 perms[key] = torch.randperm(tensor.shape[1], generator=gen)
             perm = perms[key]
-        tensors, weight = _quantized_tensors(name[: -len(".weight")], tensor, scheme, perm)
+        tensors, weight = quantized_linear(name[: -len(".weight")], tensor, scheme, perm)
         quantized.update(tensors)
         reference[name] = weight.to(tensor.dtype)
     config = json.loads((source / "config.json").read_text())
