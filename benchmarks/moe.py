@@ -162,7 +162,7 @@ def measure_mxfp4(num_tokens: int) -> dict:
     experts, logits = mxfp4_layer(num_tokens)
     x = experts[0]
     weights, ids = topk_softmax_torch(logits, GPT_OSS_TOP_K, True)
-    want = fused_moe_mxfp4_torch(*experts[:6], weights, ids, *experts[6:])
+    want = fused_moe_mxfp4_torch(*experts[:5], weights, ids, *experts[5:])
     default = pick_mxfp4_config(
         num_tokens * GPT_OSS_TOP_K, GPT_OSS_EXPERTS, GPT_OSS_INTER, x.dtype, x.device
     )
@@ -170,7 +170,7 @@ def measure_mxfp4(num_tokens: int) -> dict:
 
     def atom():
         weights, ids = topk_softmax_triton(logits, GPT_OSS_TOP_K, True)
-        return fused_moe_mxfp4_triton(*experts[:6], weights, ids, *experts[6:])
+        return fused_moe_mxfp4_triton(*experts[:5], weights, ids, *experts[5:])
 
     with nan_filled_allocations():
         error = mismatch(atom(), want, fp8=False)

@@ -122,7 +122,10 @@ def test_reference_is_hf_qwen3_next():
         *(batch[n] for n in ("q", "k", "v", "g", "beta", "state")), [0], lens, [True],
         dk**-0.5, True,
     )  # fmt: skip
-    hf_args = [batch[n][None] for n in ("q", "k", "v", "g", "beta")]
+    # Key heads repeated per value head, as HF's layer does before these functions (only
+    # some transformers versions repeat them inside).
+    q, k = (batch[n].repeat_interleave(hv // hk, dim=1) for n in ("q", "k"))
+    hf_args = [x[None] for x in (q, k, batch["v"], batch["g"], batch["beta"])]
     for hf in (modeling.torch_recurrent_gated_delta_rule, modeling.torch_chunk_gated_delta_rule):
         o, final = hf(*hf_args, initial_state=batch["state"].clone(), output_final_state=True,
                       use_qk_l2norm_in_kernel=True)  # fmt: skip
