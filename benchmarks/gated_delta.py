@@ -20,7 +20,9 @@ both sides use fp32 here. Pool row 0 is vLLM's null block, so sequences use rows
 
 Rows: conv, rule (everything after the conv) and core (both), per case. Before timing, the
 outputs and final states of every side are compared with ATOM's (and with ATOM's torch
-reference for sequences up to 4096 tokens). ATOM and the peers take turns over five rounds;
+reference for sequences up to 4096 tokens). Decode steps are timed as CUDA-graph replays,
+as engines run them (eagerly, a one-sequence step times the host's launches: on an H100
+ATOM's rule took 114 us eagerly at batch 1). ATOM and the peers take turns over five rounds;
 ratio = peer / ATOM (above 1: ATOM faster). Decode rows give ATOM's GB/s (recurrent and conv
 state read + write, activations) against the H100's peak. Usage:
     PYTHONPATH=packages/atom-core/src:. python benchmarks/gated_delta.py [--json out.json]
@@ -46,7 +48,7 @@ from atom.kernels.causal_conv1d import causal_conv1d_torch
 from atom.kernels.gated_delta import gated_delta_rule_torch
 from atom.kernels.triton.causal_conv1d import causal_conv1d
 from atom.kernels.triton.gated_delta import gated_delta_rule
-from benchmarks.timing import H100_PEAK_GBPS, interleaved, median_ratio
+from benchmarks.timing import H100_PEAK_GBPS, graphed, interleaved, median_ratio
 
 
 @dataclass(frozen=True)
@@ -317,17 +319,24 @@ def measure(name: str, lens: list[int], has_state: bool, flashinfer: bool):
     for failed in check["failed"]:
         sides.pop(failed, None)
     mixed = atom_side(batch)["conv"](batch.x, batch.conv_state.clone(), None)[0]
+    decode = len(lens) == batch.x.shape[0]  # timed as CUDA-graph replays, as engines run it
     for part in ("conv", "rule", "core"):
         runs = {}  # each side on its own copy of the pools, updated in place call after call
         for side, parts in sides.items():
             inputs = mixed if part == "rule" else batch.x
             runs[side] = partial(parts[part], inputs, *side_states(side, batch))
+            if decode:
+                try:
+                    runs[side] = graphed(runs[side])
+                except Exception as exc:  # a side whose step cannot be captured runs eagerly
+                    print(f"  {side} {part}: not capturable ({type(exc).__name__}: {exc}); "
+                          "timed eagerly", flush=True)  # fmt: skip
         times = dict(zip(runs, interleaved(list(runs.values()))))
         row = {"case": name, "part": part, "atom_us": 1e3 * statistics.median(times["atom"])}
         for side in runs.keys() - {"atom"}:
             row[f"{side}_us"] = 1e3 * statistics.median(times[side])
             row[f"{side}_ratio"] = median_ratio(times[side], times["atom"])
-        if len(lens) == batch.x.shape[0]:
+        if decode:
             row["atom_GB/s"] = part_bytes(QWEN3_NEXT, len(lens), part) / row["atom_us"] / 1e3
             row["peak_bw_fraction"] = row["atom_GB/s"] / H100_PEAK_GBPS
         row["check"] = check["checks"]

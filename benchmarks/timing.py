@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 
+import torch
 import triton
 
 # The H100 SXM's peaks that the benchmarks report fractions of: HBM3 bandwidth, and dense
@@ -35,3 +36,18 @@ def interleaved(fns: Sequence[Callable], rounds: int = 5) -> list[list[float]]:
 def median_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
     """The median over rounds of one round's numerator / denominator time."""
     return statistics.median(n / d for n, d in zip(numerator, denominator))
+
+
+def graphed(fn: Callable) -> Callable:
+    """fn captured in a CUDA graph, as engines run decode steps: timing its replay leaves
+    out the host's launch overhead, which otherwise decides a one-sequence step."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles and allocates outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
