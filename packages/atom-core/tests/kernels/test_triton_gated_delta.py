@@ -150,11 +150,13 @@ def test_prefill(case, use_l2norm):
     check(*run_both(batch, lens, dk**-0.5, use_l2norm), torch.float32)
 
 
-def test_prefill_default_chunk():
-    """The chunk of 64 the models run, across a chunk boundary."""
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_prefill_larger_chunks(chunk_size):
+    """Chunks of two and four [16, 16] blocks of (I + A)^-1 (64: the models' default), full
+    ones and partial ones."""
     lens = [70, 3]
     batch = make_batch(lens, 1, 2, 32, 32, torch.float32, [True, False], seed=5)
-    check(*run_both(batch, lens, 32**-0.5, chunk_size=64), torch.float32)
+    check(*run_both(batch, lens, 32**-0.5, chunk_size=chunk_size), torch.float32)
 
 
 def test_prefill_bf16():

@@ -29,6 +29,12 @@ from atom.kernels.triton.prefill_attention import prefill_attention
 # (sequence, kv head) programs to fill the GPU: 1 split from 512 programs up (64x8k,
 # 256x1k), 4 at 128 (16x8k).
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+# An fp8 cache's tile holds twice block_n keys while there are fewer programs than
+# FP8_WIDE_TILE_PROGRAMS: the same bytes per load as the bf16 tile, so as many stay in
+# flight. H100, one call (fp8 time / bf16 time, block_n keys -> twice as many): 64 x 8k
+# 1.04 -> 0.88, 16 x 8k 1.02 -> 0.93 (512 programs each); with more programs the wide tile
+# lost occupancy: 256 x 1k 0.86 -> 0.92 (2,048), 128 x 2k 0.86 -> 0.89 (1,024).
+FP8_WIDE_TILE_PROGRAMS = 1024
 DECODE_TARGET_PROGRAMS = 512
 MAX_DECODE_SPLITS = 16
 
@@ -249,6 +255,9 @@ def decode_attention(
     part_max = query.new_empty(part_shape, dtype=torch.float32)
     part_sum = torch.empty_like(part_max)
     group_block = max(16, triton.next_power_of_2(args["group"]))
+    programs = num_decodes * num_kv_heads * num_splits
+    wide = args["FP8"] and programs < FP8_WIDE_TILE_PROGRAMS
+    block_n = config["block_n"] * (2 if wide else 1)
     _decode_split_kernel[(num_decodes, num_kv_heads, num_splits)](
         query, key_cache, value_cache, part_out, part_max, part_sum, out,
         metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
@@ -256,7 +265,7 @@ def decode_attention(
         out.stride(0), out.stride(1),
         metadata.block_table.stride(0), scale * k_scale if args["FP8"] else scale, args["soft_cap"], args["window"], args["group"],
         num_q_heads, args["block_size"], args["head_dim"], v_head_dim,
-        num_splits, query if sinks is None else sinks, v_scale, GROUP=group_block, BLOCK_N=config["block_n"],
+        num_splits, query if sinks is None else sinks, v_scale, GROUP=group_block, BLOCK_N=block_n,
         BLOCK_D=args["BLOCK_D"], BLOCK_DV=args["BLOCK_DV"],
         USE_SOFT_CAP=args["USE_SOFT_CAP"], USE_WINDOW=args["USE_WINDOW"], PRECISION=args["PRECISION"],
         SINGLE_SPLIT=single, USE_SINKS=sinks is not None, FP8=args["FP8"],
