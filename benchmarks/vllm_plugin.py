@@ -20,7 +20,8 @@ sides capture their decode steps), prefix caching, chunked prefill (48-token bud
 ATOM's kernels are Triton there (the kernel policy's choice on CUDA).
 
 The reference is vLLM's own model (plugin off) for Llama, Qwen3, Qwen3-MoE, Mixtral, GLM-4.x
-MoE, GPT-OSS and MiniMax-M2.
+MoE, GPT-OSS, MiniMax-M2, Qwen3-Next and Qwen3.5 (dense and MoE; these hybrids run without
+prefix caching on both sides, as atom-vllm runs them).
 vLLM's GPU MLA backends take fp16/bf16 only, so its own DeepSeek cannot run in fp32: as on
 CPU, DeepSeek-V2/V3 are compared with HF transformers' greedy tokens (fp32, GPU), which
 every architecture also reports. Triton dots in fp32 default to tf32; both engines get
@@ -45,6 +46,7 @@ from plugin_equality import (
 )
 
 from atom.bench.engines import ENGINES, engine_env
+from atom.registry import get_entry
 
 MODES = {"atom": ENGINES["vllm-atom"], "vllm": ENGINES["vllm"]}
 VLLM_REFERENCE = [
@@ -54,6 +56,9 @@ VLLM_REFERENCE = [
     "Glm4MoeForCausalLM",
     "GptOssForCausalLM",
     "MiniMaxM2ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 ]
 HF_REFERENCE = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
 
@@ -119,7 +124,10 @@ def equality(work: Path, summary: dict, only: list[str] | None) -> bool:
     ok = True
     for i, arch in selected(VLLM_REFERENCE + HF_REFERENCE, only):
         model = tiny_model(work, arch)
-        job = {"model": str(model), "engine": engine_kw, "rounds": rounds(i)}
+        # atom-vllm runs hybrid models without prefix caching (its patch 3); vLLM's own
+        # then runs without it too, so both report the same (zero) cache hits.
+        kw = engine_kw | {"enable_prefix_caching": False} if get_entry(arch).hybrid else engine_kw
+        job = {"model": str(model), "engine": kw, "rounds": rounds(i)}
         modes = MODES if arch in VLLM_REFERENCE else ["atom"]
         res = {m: engine(job, m, work, f"eq-{arch}") for m in modes}
         hf = hf_rounds(model, job["rounds"])
