@@ -33,7 +33,10 @@ pytestmark = pytest.mark.gpu
 )
 def test_gpu_greedy_matches_hf(tmp_path, name, enforce_eager):
     assert selected_backend("paged_attention", "cuda") == "triton"
-    folder = write_checkpoint(CASES[name], tmp_path, init_std=0.1)
+    check_greedy_on_gpu(write_checkpoint(CASES[name], tmp_path, init_std=0.1), enforce_eager)
+
+
+def check_greedy_on_gpu(folder, enforce_eager: bool) -> None:
     check_greedy_generation(
         folder,
         prompt_lengths=[3, 11, 26, 70, 5, 9],
@@ -58,15 +61,7 @@ NEW_FAMILIES = {
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
 @pytest.mark.parametrize("name", list(NEW_FAMILIES))
 def test_gpu_new_families_greedy_match_hf(tmp_path, name, enforce_eager):
-    folder = write_with_random_vectors(NEW_FAMILIES[name], tmp_path)
-    check_greedy_generation(
-        folder,
-        prompt_lengths=[3, 11, 26, 70, 5, 9],
-        max_new_tokens=16,
-        device="cuda",
-        enforce_eager=enforce_eager,
-        max_num_seqs=8,
-    )
+    check_greedy_on_gpu(write_with_random_vectors(NEW_FAMILIES[name], tmp_path), enforce_eager)
 
 
 def test_gpu_graphs_and_async_scheduling_equal_eager_and_seeds_reproduce(tmp_path):
