@@ -7,8 +7,9 @@ stored as a GPTQ v1 (symmetric: uint4b8) or AWQ (zero points: uint4) checkpoint 
 them. ATOM repacks them through its own loader (weight loaders, then
 process_weights_after_loading); vLLM's layouts come from the same integers through its own
 functions, as its MarlinLinearKernel and MacheteLinearKernel prepare them. Each output is
-checked against x @ W.T (float64, bf16 dequantized weights) before timing; ATOM and the
-peers take turns over five rounds (benchmarks.timing); a ratio above 1: ATOM is faster.
+checked against x @ W.T (float64, bf16 dequantized weights) before timing. Each kernel is
+timed as a CUDA-graph replay (benchmarks.timing.graphed), ATOM and the peers taking turns
+over five rounds; a ratio above 1: ATOM is faster.
 GB/s counts the weight bytes ATOM reads (packed codes, fp32 scales and zero points).
     PYTHONPATH=packages/atom-core/src:. python benchmarks/w4a16.py [--tokens 1 16]
         [--layers qkv o] [--formats gptq awq] [--group-size 128] [--json out.json]
@@ -34,7 +35,13 @@ from atom.kernels.w4a16 import pack_int4_rows
 from atom.layers.linear import ReplicatedLinear
 from atom.layers.quantization.awq import AWQ_PACK_ORDER, AwqConfig
 from atom.layers.quantization.gptq import GptqConfig
-from benchmarks.timing import H100_PEAK_GBPS, H100_PEAK_TFLOPS, interleaved, median_ratio
+from benchmarks.timing import (
+    H100_PEAK_GBPS,
+    H100_PEAK_TFLOPS,
+    graphed,
+    interleaved,
+    median_ratio,
+)
 
 # Qwen3-8B (hidden 4096, intermediate 12288, 32 q / 8 kv heads of 128): (K, N) per layer.
 LAYERS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
@@ -203,7 +210,9 @@ def measure(name: str, w: QuantizedWeight, weight, atom, vllm_gemms: dict, m: in
             f"{name} {w.fmt} M={m}: ATOM's output is off by {row['atom_error']:.3g} of its "
             f"largest element (bf16 tolerance {TOLERANCE})"
         )
-    runs = {"atom": partial(atom, x)}
+    # Timed as CUDA-graph replays, as a decode step runs them: launched one by one, a
+    # 15-40 us GEMM times the host's launch overhead as much as the kernel.
+    runs = {"atom": graphed(partial(atom, x))}
     for peer, gemm in vllm_gemms.items():
         try:
             row[f"{peer}_error"] = relative_error(gemm(x), want)
@@ -212,7 +221,7 @@ def measure(name: str, w: QuantizedWeight, weight, atom, vllm_gemms: dict, m: in
             continue
         if row[f"{peer}_error"] > TOLERANCE:
             print(f"  {peer}'s output is off by {row[f'{peer}_error']:.3g}", flush=True)
-        runs[peer] = partial(gemm, x)
+        runs[peer] = graphed(partial(gemm, x))
     times = dict(zip(runs, interleaved(list(runs.values()))))
     for run, t in times.items():
         row[f"{run}_us"] = 1e3 * statistics.median(t)
