@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from atom import LLM, SamplingParams
 from atom.bench.quantize import quantize_checkpoint
 from atom.bench.run import resolve
+from atom.bench.traffic import bytes_moved
 from atom.bench.workloads import BenchError
 from atom.testing import tiny_config
 from atom.testing.mxfp4 import write_mxfp4_pair
@@ -75,5 +76,7 @@ def test_quantize_option_names_shapes_and_rejects_mxfp4_without_gpt_oss():
     resolve(args)
     (shape,) = args.shape_list
     assert shape.name == "qwen3-8b:8+gptq" and shape.quantization == "gptq"
+    # The traffic model counts bf16 weights: a quantized run reports no GB/s.
+    assert bytes_moved(shape, args.workload_list[0], 2) is None
     with pytest.raises(BenchError, match="mxfp4 quantizes GPT-OSS experts; not Qwen3ForCausalLM"):
         resolve(_args(["--engines", "atom", "--shapes", "qwen3-8b", "--quantize", "mxfp4"]))

@@ -21,7 +21,8 @@ engine's row divides the same numerator by its own measured time. The model of t
   elements (K and V), or for MLA one latent row, kv_lora_rank + qk_rope_head_dim. Writes of
   the new rows and the prefill's own attention traffic are left out.
 - Element size: the run's dtype (bfloat16 on a GPU, float32 for ATOM on the CPU), the KV
-  cache in the same dtype (an engine option such as an fp8 cache is not seen).
+  cache in the same dtype (an engine option such as an fp8 cache is not seen). Quantized
+  checkpoints (`--quantize`) get no figure.
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def kv_read_bytes(fields: dict, workload: Workload, element: int) -> int:
 
 def bytes_moved(shape: Shape, workload: Workload, element: int) -> int | None:
     """The workload's weight + KV cache reads (see the module's docstring), or None for an
-    architecture without a weight model."""
-    if shape.architecture not in WEIGHT_MODELS:
+    architecture without a weight model or a quantized checkpoint (whose bytes per weight
+    the model does not count)."""
+    if shape.architecture not in WEIGHT_MODELS or shape.quantization:
         return None
     weights = weight_read_bytes(shape.fields, workload, element)
     return round(weights + kv_read_bytes(shape.fields, workload, element))
