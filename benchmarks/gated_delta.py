@@ -93,6 +93,7 @@ def make_batch(shape: Shape, lens: list[int], has_state: bool, device: str) -> S
     dt = torch.empty(hv, device=device).uniform_(1e-3, 1e-2)
     return SimpleNamespace(
         shape=shape, lens=lens,
+        decode=tokens == seqs,  # one token per sequence: the recurrent (decode) kernels
         x=torch.randn(tokens, c, **bf16),
         weight=torch.randn(c, shape.conv_kernel, **bf16) * shape.conv_kernel**-0.5,
         a=torch.randn(tokens, hv, **bf16) * 0.1, b=torch.randn(tokens, hv, **bf16),
@@ -161,7 +162,6 @@ def vllm_sides(batch, flashinfer: bool) -> dict[str, dict]:
         say_once(f"vLLM is not importable ({exc}): timing ATOM only")
         return {}
     s, b = batch.shape, batch
-    decode = len(b.lens) == b.x.shape[0]
     out_buffer = torch.empty_like(b.x)
 
     def decode_conv(x, conv_state, ssm_state):
@@ -180,7 +180,7 @@ def vllm_sides(batch, flashinfer: bool) -> dict[str, dict]:
         )  # fmt: skip
         return out, conv_state, ssm_state
 
-    if decode:
+    if b.decode:
         parts = {"conv": decode_conv, "rule": decode_rule}
         return {"vllm": {**parts, "core": chained(parts)}}
 
@@ -319,13 +319,12 @@ def measure(name: str, lens: list[int], has_state: bool, flashinfer: bool):
     for failed in check["failed"]:
         sides.pop(failed, None)
     mixed = atom_side(batch)["conv"](batch.x, batch.conv_state.clone(), None)[0]
-    decode = len(lens) == batch.x.shape[0]  # timed as CUDA-graph replays, as engines run it
     for part in ("conv", "rule", "core"):
         runs = {}  # each side on its own copy of the pools, updated in place call after call
         for side, parts in sides.items():
             inputs = mixed if part == "rule" else batch.x
             runs[side] = partial(parts[part], inputs, *side_states(side, batch))
-            if decode:
+            if batch.decode:  # timed as CUDA-graph replays, as engines run decode steps
                 try:
                     runs[side] = graphed(runs[side])
                 except Exception as exc:  # a side whose step cannot be captured runs eagerly
@@ -336,7 +335,7 @@ def measure(name: str, lens: list[int], has_state: bool, flashinfer: bool):
         for side in runs.keys() - {"atom"}:
             row[f"{side}_us"] = 1e3 * statistics.median(times[side])
             row[f"{side}_ratio"] = median_ratio(times[side], times["atom"])
-        if decode:
+        if batch.decode:
             row["atom_GB/s"] = part_bytes(QWEN3_NEXT, len(lens), part) / row["atom_us"] / 1e3
             row["peak_bw_fraction"] = row["atom_GB/s"] / H100_PEAK_GBPS
         row["check"] = check["checks"]

@@ -85,9 +85,13 @@ def side_by_side(row: dict, atom_fn, fa3, q, k, v, md, rounds: int = 5) -> dict:
     return row
 
 
+# (sequences, context): long and short contexts, few and many (sequence, kv head) programs.
+DECODE_SHAPES = [(64, 8192), (16, 8192), (256, 1024), (128, 2048)]
+
+
 def decode_rows():
     fa3 = fa3_paged_attention()
-    for batch, ctx in [(64, 8192), (16, 8192), (256, 1024), (128, 2048)]:
+    for batch, ctx in DECODE_SHAPES:
         q, k, v, md, _, _ = paged_batch([1] * batch, [ctx - 1] * batch)
         out = torch.empty_like(q)
         fn = partial(paged_attention_triton, q, k, v, md, 128**-0.5, None, None, out)
@@ -100,7 +104,7 @@ def decode_rows():
 def fp8_decode_rows():
     """Decode over an e4m3 cache (per-tensor scales, dequantized in the kernel) against the
     same kernel over the bf16 cache; fp8_vs_bf16 = fp8 time / bf16 time."""
-    for batch, ctx in [(64, 8192), (16, 8192), (256, 1024), (128, 2048)]:
+    for batch, ctx in DECODE_SHAPES:
         q, k, v, md, _, _ = paged_batch([1] * batch, [ctx - 1] * batch)
         k8, v8 = (x.div(2.0).to(FP8_KV_CACHE_DTYPE) for x in (k, v))
         out, out8 = torch.empty_like(q), torch.empty_like(q)
