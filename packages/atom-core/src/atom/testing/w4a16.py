@@ -89,9 +89,8 @@ def quantized_linear(prefix: str, w, scheme: Scheme, perm=None) -> tuple[dict, o
     n, k = w.shape
     group = k if scheme.group_size == -1 else scheme.group_size
     num_groups = k // group
-    position = (
-        torch.arange(k, device=w.device) if perm is None else torch.argsort(perm)
-    )  # row -> rank in perm
+    # row -> rank in the (act-order) row order
+    position = torch.arange(k, device=w.device) if perm is None else torch.argsort(perm)
     group_of_row = position // group
     scale_dtype = torch.bfloat16 if scheme.fmt == "compressed-tensors" else torch.float16
     codes, zeros, scales, weight = _quantize(
