@@ -373,6 +373,8 @@ def test_profile_summary_counts_overlapping_kernels_once(tmp_path):
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 2},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 90, "dur": 2},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+        {"ph": "X", "cat": "user_annotation", "name": "prepare inputs", "ts": 0, "dur": 30},
+        {"ph": "X", "cat": "user_annotation", "name": "prepare inputs", "ts": 95, "dur": 10},
     ]
     path = tmp_path / "run.trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -383,3 +385,5 @@ def test_profile_summary_counts_overlapping_kernels_once(tmp_path):
     gemm, attention = lines[2].split(), lines[3].split()
     assert gemm[:3] == ["gemm", "2", "0.10"] and gemm[3] == "83.3%"
     assert attention[:3] == ["attention", "1", "0.02"]
+    assert lines[4].split()[:2] == ["host", "range"]
+    assert lines[5].split() == ["prepare", "inputs", "2", "0.04", "20.0"]

@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 TOP_KERNELS = 25
+TOP_HOST_RANGES = 20
 
 
 def _events(path: Path) -> list[dict]:
@@ -39,6 +40,7 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 def summarize(paths: list[Path]) -> str:
     """A text report of the kernels in one run's trace files (one file per process)."""
     kernels: dict[str, list[float]] = defaultdict(list)
+    host_ranges: dict[str, list[float]] = defaultdict(list)
     intervals: list[tuple[float, float]] = []
     launches = graph_launches = 0
     for path in paths:
@@ -49,6 +51,8 @@ def summarize(paths: list[Path]) -> str:
             if cat == "kernel":
                 kernels[name].append(e["dur"])
                 intervals.append((e["ts"], e["ts"] + e["dur"]))
+            elif cat == "user_annotation":
+                host_ranges[name].append(e["dur"])
             elif cat == "cuda_runtime":
                 if name.startswith(("cudaLaunchKernel", "cuLaunchKernel")):
                     launches += 1
@@ -79,4 +83,16 @@ def summarize(paths: list[Path]) -> str:
         lines.append(
             f"{f'({len(rest)} other kernels)':<90} {'':>8} {t / 1e3:>10,.2f} {t / total:>6.1%}"
         )
+    if host_ranges:
+        # The hosts' named phases (vLLM's model runner, SGLang's scheduler): where the
+        # CPU side of each step goes when the GPU waits (inclusive times; ranges nest).
+        lines.append(f"{'host range':<90} {'calls':>8} {'total ms':>10} {'':>6} {'mean us':>9}")
+        ranked_ranges = sorted(host_ranges.items(), key=lambda kv: -sum(kv[1]))
+        for name, durations in ranked_ranges[:TOP_HOST_RANGES]:
+            t = sum(durations)
+            short = name if len(name) <= 90 else name[:87] + "..."
+            lines.append(
+                f"{short:<90} {len(durations):>8,} {t / 1e3:>10,.2f} {'':>6} "
+                f"{t / len(durations):>9,.1f}"
+            )
     return "\n".join(lines) + "\n"
