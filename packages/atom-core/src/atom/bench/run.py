@@ -200,6 +200,9 @@ def run_engine(
         (Path(args.out) / "profiles").mkdir(parents=True, exist_ok=True)
         # The profiler in the driver sees vLLM's model only with its engine core in-process.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM names its step's phases (scheduling, input preparation, sampling) in the
+        # trace only when asked.
+        env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     where = f"{shape.name} / {spec.name}" + (
         f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
     )
