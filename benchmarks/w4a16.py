@@ -12,10 +12,15 @@ timed as a CUDA-graph replay (benchmarks.timing.graphed), ATOM and the peers tak
 over five rounds; a ratio above 1: ATOM is faster.
 GB/s counts the weight bytes ATOM reads (packed codes, fp32 scales and zero points).
     PYTHONPATH=packages/atom-core/src:. python benchmarks/w4a16.py [--tokens 1 16]
-        [--layers qkv o] [--formats gptq awq] [--group-size 128] [--json out.json]
+        [--layers qkv o] [--formats gptq awq] [--group-size 128] [--sweep] [--json out.json]
+--sweep times, per layer and M in (1, 16), candidate launches of ATOM's small-M kernel
+(tile width, K splits, warps, stages; benchmarks/w4a16_sweep.py) as graph replays, each
+checked against the reference first, and prints them fastest first and the winner per
+(layer, M); no peers.
 --check-cpu builds small layers on CPU through ATOM's loader and checks ATOM's torch
-reference (with TRITON_INTERPRET=1 also the Triton kernel, fp32) against the dequantized
-matmul.
+reference (with TRITON_INTERPRET=1 also the Triton kernel, fp32, and with --sweep every
+candidate launch on a small layer, each timed by one interpreted call) against the
+dequantized matmul.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from atom.kernels.triton.w4a16 import w4a16_gemm_triton
+from atom.kernels.triton.w4a16 import _config, _sm_count, w4a16_gemm_triton
 from atom.kernels.w4a16 import pack_int4_rows
 from atom.layers.linear import ReplicatedLinear
 from atom.layers.quantization.awq import AWQ_PACK_ORDER, AwqConfig
@@ -41,6 +47,13 @@ from benchmarks.timing import (
     graphed,
     interleaved,
     median_ratio,
+)
+from benchmarks.w4a16_sweep import (
+    SWEEP_TOKENS,
+    graph_replay_us,
+    print_sweep,
+    search,
+    sweep_configs,
 )
 
 # Qwen3-8B (hidden 4096, intermediate 12288, 32 q / 8 kv heads of 128): (K, N) per layer.
@@ -198,6 +211,26 @@ def peers(vllm, w: QuantizedWeight, names) -> dict:
     return built
 
 
+def weight_bytes(w: QuantizedWeight) -> int:
+    """What ATOM's kernel reads of the weight: packed codes, fp32 scales and zero points."""
+    k, n = w.codes.shape
+    return k * n // 2 + 2 * 4 * w.zeros.numel()
+
+
+def sweep_layer(name: str, w: QuantizedWeight, weight, gemm, m: int, sms: int, timer) -> dict:
+    """benchmarks/w4a16_sweep.py's search over `gemm`'s small-M launches at M = m."""
+    k, n = w.codes.shape
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(w.codes.device)
+    x = x.bfloat16() if x.is_cuda else x  # the interpreter's bf16 dot is wrong
+    want = x.double() @ weight
+    default = _config(m, n, k, sms)
+    configs = dict.fromkeys([*sweep_configs(n, k, sms), default])
+    runs = {config: partial(gemm, x, config=config) for config in configs}
+    error_of = partial(relative_error, want=want)
+    result = search(runs, default, error_of, TOLERANCE, weight_bytes(w), timer)
+    return {"layer": name, "format": w.fmt, "K": k, "N": n, "M": m} | result
+
+
 def measure(name: str, w: QuantizedWeight, weight, atom, vllm_gemms: dict, m: int) -> dict:
     k, n = w.codes.shape
     x = torch.randn(m, k, generator=torch.Generator("cuda").manual_seed(m), device="cuda")
@@ -228,7 +261,7 @@ def measure(name: str, w: QuantizedWeight, weight, atom, vllm_gemms: dict, m: in
         if run != "atom":  # above 1.0: ATOM faster
             row[f"{run}_ratio"] = median_ratio(t, times["atom"])
     seconds = row["atom_us"] * 1e-6
-    row["weight_bytes"] = k * n // 2 + 2 * 4 * w.zeros.numel()
+    row["weight_bytes"] = weight_bytes(w)
     row["GB/s"] = row["weight_bytes"] / seconds / 1e9
     row["peak_bw_fraction"] = row["GB/s"] / H100_PEAK_GBPS
     row["TFLOP/s"] = 2 * m * k * n / seconds / 1e12
@@ -251,7 +284,7 @@ def print_row(row: dict) -> None:
     print("RESULT", json.dumps(row), flush=True)
 
 
-def check_cpu(group_size: int) -> None:
+def check_cpu(group_size: int, sweep: bool) -> None:
     """ATOM's loader and torch reference (and Triton, interpreted) on small CPU layers."""
     for fmt in FORMATS:
         w = random_weight(fmt, 256, 192, group_size, "cpu")
@@ -265,6 +298,27 @@ def check_cpu(group_size: int) -> None:
             print(f"{fmt} g{group_size} K=256 N=192 M=5 {what}: relative error {error:.2e}")
             if error > TOLERANCE:
                 raise SystemExit(f"{fmt}: ATOM's {what} is off by {error:.3g}")
+    if sweep and os.environ.get("TRITON_INTERPRET") == "1":
+        # As if on 8 SMs, so that this small layer splits K too.
+        w = random_weight("awq", 1024, 96, group_size, "cpu")
+        gemm, weight = atom_gemm(atom_layer(w)), w.dequantized()
+        for m in SWEEP_TOKENS:
+            result = sweep_layer("cpu", w, weight, gemm, m, 8, cpu_call_us)
+            print_sweep(result)
+            if result["rejected"] or len(result["sweep"]) < 10:
+                raise SystemExit(f"sweep: {len(result['sweep'])} configs match, rejected "
+                                 f"{result['rejected']}")  # fmt: skip
+
+
+def cpu_call_us(runs: list, rounds: int) -> list[float]:
+    """sweep_layer's timer on CPU: one interpreted call per run, so the check goes through
+    every step of the sweep (the times mean nothing)."""
+    times = []
+    for run in runs:
+        start = time.perf_counter()
+        run()
+        times.append(1e6 * (time.perf_counter() - start))
+    return times
 
 
 def main() -> None:
@@ -274,31 +328,39 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=["gptq"])
     parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128, -1), default=128)
+    parser.add_argument("--sweep", action="store_true", help="time small-M configs per layer")
     parser.add_argument("--json", help="write all rows to this file")
     parser.add_argument("--check-cpu", action="store_true", help="check the setup on CPU")
     args = parser.parse_args()
     if args.check_cpu:
-        return check_cpu(args.group_size)
+        return check_cpu(args.group_size, args.sweep)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/w4a16.py needs a CUDA GPU (--check-cpu checks the setup on CPU)")
-    vllm = import_vllm() if args.peers else None
+    vllm = import_vllm() if args.peers and not args.sweep else None
     print(f"{torch.cuda.get_device_name()}: Qwen3-8B layers, group size {args.group_size}")
-    header = f"{'layer':>8} {'fmt':>5} {'K':>6} {'N':>6} {'M':>4} {'ATOM us':>8} {'GB/s':>7} "
-    print(header + f"{'%bw':>5} {'TFLOP/s':>7}" + "".join(
-        f" {peer + ' us':>10} {peer[:4] + '/ATOM':>9}" for peer in PEERS
-    ))  # fmt: skip
+    if not args.sweep:
+        header = f"{'layer':>8} {'fmt':>5} {'K':>6} {'N':>6} {'M':>4} {'ATOM us':>8} {'GB/s':>7} "
+        print(header + f"{'%bw':>5} {'TFLOP/s':>7}" + "".join(
+            f" {peer + ' us':>10} {peer[:4] + '/ATOM':>9}" for peer in PEERS
+        ))  # fmt: skip
     rows = []
     for fmt in args.formats:
         for name in args.layers:
             w = random_weight(fmt, *LAYERS[name], args.group_size, "cuda")
             atom, weight = atom_gemm(atom_layer(w)), w.dequantized()
-            vllm_gemms = peers(vllm, w, args.peers)
-            for m in args.tokens:
-                rows.append(measure(name, w, weight, atom, vllm_gemms, m))
-                print_row(rows[-1])
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(rows, f, indent=1)
+            if args.sweep:
+                sms = _sm_count(torch.device("cuda"))
+                for m in SWEEP_TOKENS:
+                    rows.append(sweep_layer(name, w, weight, atom, m, sms, graph_replay_us))
+                    print_sweep(rows[-1])
+            else:
+                vllm_gemms = peers(vllm, w, args.peers)
+                for m in args.tokens:
+                    rows.append(measure(name, w, weight, atom, vllm_gemms, m))
+                    print_row(rows[-1])
+            if args.json:  # after every layer: a run cut off by a time limit keeps the rest
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

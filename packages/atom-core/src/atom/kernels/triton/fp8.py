@@ -14,7 +14,7 @@ import triton.language as tl
 
 from atom.kernels.fp8 import FP8_MAX, fp8_scaled_mm_torch
 from atom.kernels.policy import register
-from atom.kernels.triton.tiles import grouped_tile
+from atom.kernels.triton.tiles import tile_ranges
 
 _MIN_SCALE = 1e-12  # as the reference: an all-zero group still gets a finite scale
 
@@ -63,11 +63,7 @@ def _fp8_scaled_mm_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = tile_ranges(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + cols.to(tl.int64)[None, :] * stride_bn + ks[:, None]

@@ -16,3 +16,13 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % tiles_per_group) % group_rows
     pid_n = (pid % tiles_per_group) // group_rows
     return pid_m, pid_n
+
+
+@triton.jit
+def tile_ranges(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(rows, cols, row_ok, col_ok) of program `pid`'s [BLOCK_M, BLOCK_N] output tile in the
+    `grouped_tile` order: its row and column indices and which of them lie inside [M, N]."""
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, rows < M, cols < N
