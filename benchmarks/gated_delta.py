@@ -29,6 +29,9 @@ state read + write, activations) against the H100's peak. Usage:
         [--cases decode-B1 prefill-1x4096 ...] [--no-flashinfer]
     TRITON_INTERPRET=1 PYTHONPATH=packages/atom-core/src:. python benchmarks/gated_delta.py
         --check-cpu     # tiny heads on the CPU: ATOM (and vLLM-FLA if importable) vs reference
+    PYTHONPATH=packages/atom-core/src:. python benchmarks/gated_delta.py --sweep [--cases ...]
+        # ATOM's prefill launch configs (benchmarks/gated_delta_sweep.py); with --check-cpu
+        # and TRITON_INTERPRET=1, the same plumbing at tiny heads on the CPU
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ CASES = {  # name: (sequence lengths, whether they start from a state)
 }
 CPU_CASES = {"decode-B3": ([1] * 3, True), "prefill-varlen": ([5, 70, 23], False),
              "prefill-varlen-state": ([5, 70, 23], True)}  # fmt: skip
+# --sweep: the prefill cases its launch search times
+SWEEP_CASES = ["prefill-1x4096", "prefill-8x4096", "prefill-1x32768"]
 REFERENCE_MAX_LEN = 4096  # the torch reference steps token by token
 SUSPECT_REL_ERROR = 2e-2
 
@@ -354,8 +359,6 @@ def print_row(row: dict) -> None:
 def check_cpu() -> None:
     """Tiny heads under Triton's interpreter: ATOM's Triton side (and vLLM's FLA side when
     vllm imports) against ATOM's torch reference, through the benchmark's own plumbing."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--check-cpu needs TRITON_INTERPRET=1 set before Python starts")
     worst = 0.0
     for name, (lens, has_state) in CPU_CASES.items():
         print(f"{name}: lengths {lens}, initial state {has_state}", flush=True)
@@ -371,24 +374,47 @@ def check_cpu() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=list(CASES))
     parser.add_argument("--no-flashinfer", action="store_true", help="skip vLLM's FlashInfer rule")
     parser.add_argument("--check-cpu", action="store_true", help="tiny shapes, Triton interpreter")
+    parser.add_argument("--sweep", action="store_true", help="time ATOM's prefill launch configs")
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args()
+    if args.check_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--check-cpu needs TRITON_INTERPRET=1 set before Python starts")
+    if args.sweep:  # imported here: it imports this module
+        from benchmarks.gated_delta_sweep import sweep
+
+        if args.check_cpu:
+            cases, shape, device = {"prefill-varlen": CPU_CASES["prefill-varlen"][0]}, TINY, "cpu"
+        else:
+            require_cuda()
+            names = args.cases or SWEEP_CASES
+            if any(n.startswith("decode") for n in names):
+                raise SystemExit(f"--sweep tunes the chunked (prefill) kernels: not {names}")
+            cases, shape, device = {n: CASES[n][0] for n in names}, QWEN3_NEXT, "cuda"
+        return save(sweep(cases, shape, device), args.json)
     if args.check_cpu:
         return check_cpu()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gated_delta.py needs a CUDA GPU (or --check-cpu on a CPU)")
+    require_cuda()
     print(f"{torch.cuda.get_device_name()}: Qwen3-Next GDN {QWEN3_NEXT}", flush=True)
     rows = []
-    for name in args.cases:
+    for name in args.cases or list(CASES):
         for row in measure(name, *CASES[name], flashinfer=not args.no_flashinfer):
             print_row(row)
             rows.append(row)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(rows, f, indent=1)
+            save(rows, args.json)  # after every row: a run cut short keeps what it measured
+
+
+def save(rows: list[dict], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gated_delta.py needs a CUDA GPU (or --check-cpu on a CPU)")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ slots, and the slots of sequences that start fresh, hold NaN: the kernels must n
 read nor write them.
 
 On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1; skipped otherwise) with
-small heads and chunks of 16, so sequences span several chunks and end inside one; the
-`gpu` cases run Qwen3-Next's shapes (Dk = Dv = 128, 16 key / 32 value heads) in bf16 with
+small heads and chunks of 16, so sequences span several chunks and end inside one (and
+chunks of 64 under other launch configs of the prefill kernels); the `gpu` cases run Qwen3-Next's shapes (Dk = Dv = 128, 16 key / 32 value heads) in bf16 with
 the default chunk of 64.
 """
 
@@ -27,7 +27,8 @@ pytest.importorskip("triton")
 
 DEVICE = triton_test_device()
 
-from atom.kernels.triton.gated_delta import gated_delta_rule  # noqa: E402
+from atom.kernels.triton import gated_delta as triton_gated_delta  # noqa: E402
+from atom.kernels.triton.gated_delta import ChunkLaunch, gated_delta_rule  # noqa: E402
 
 CPU_CHUNK = 16
 # fp32: the kernels against the fp64 loop (tf32 is off for fp32 inputs). bf16: the inputs
@@ -159,6 +160,27 @@ def test_prefill_larger_chunks(chunk_size):
     check(*run_both(batch, lens, 32**-0.5, chunk_size=chunk_size), torch.float32)
 
 
+LAUNCHES = {  # through the hook benchmarks/gated_delta.py --sweep uses
+    "narrow tiles": ChunkLaunch(state_block_v=16, output_block_v=16, state_warps=2),
+    "wide tiles, whole chunk rows": ChunkLaunch(state_block_v=64, output_block_v=128,
+                                                state_rows=64, state_stages=3),
+    "fp32 scratch, half chunk rows": ChunkLaunch(state_rows=32, low_precision_wu=False,
+                                                 low_precision_deltas=False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("launch", LAUNCHES.values(), ids=LAUNCHES.keys())
+def test_prefill_launch_configs(launch, dtype, monkeypatch):
+    """The state and output kernels at other Dv tiles (Dv = 48: one to three tiles, the last
+    partial), row blocks and scratch dtypes, with the models' chunk of 64: sequences of
+    several chunks, ending inside one, with and without an initial state."""
+    monkeypatch.setattr(triton_gated_delta, "CHUNK_LAUNCH", launch)
+    lens = [16, 150, 5, 64]
+    batch = make_batch(lens, 2, 4, 32, 48, dtype, [True, False, True, False], seed=6)
+    check(*run_both(batch, lens, 32**-0.5, chunk_size=64), dtype)
+
+
 def test_prefill_bf16():
     lens = [1, 5, 16, 37]
     batch = make_batch(lens, 2, 4, 32, 32, torch.bfloat16, [True, False, True, False])
@@ -173,7 +195,7 @@ def test_decode(dtype):
     check(*run_both(batch, lens, 32**-0.5), dtype)
 
 
-@pytest.mark.parametrize("lens", [[1, 1, 1], [3, 7]], ids=["decode", "prefill"])
+@pytest.mark.parametrize("lens", [[1, 1, 1], [20, 37, 5]], ids=["decode", "prefill"])
 def test_padded_sequence(lens):
     """A negative slot (a padded CUDA-graph entry): zero outputs, the pool untouched."""
     batch = make_batch(lens, 2, 2, 32, 32, torch.float32, [True] * len(lens), seed=2)
@@ -219,6 +241,11 @@ def test_prefill_then_decode_equals_one_prefill():
         step([a + b + i for a, b in zip(first, second)], [1, 1], [True, True])
     torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(pool.cpu(), want_state, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
+def test_bad_launch_config_names_the_field():
+    with pytest.raises(ValueError, match=re.escape("ChunkLaunch: state_rows=48")):
+        ChunkLaunch(state_rows=48)
 
 
 @pytest.mark.parametrize(

@@ -10,15 +10,23 @@ time (the WY / UT-transform form). Within a chunk, with G_i = exp(cumsum of g up
 A the strictly lower [C, C] matrix A_ij = beta_i (k_i . k_j) G_i / G_j, the chunk's deltas are
     delta = U - W S0,   U = (I + A)^-1 diag(beta) V,   W = (I + A)^-1 diag(beta G) K
 for the state S0 it starts from; then
-    o_i = G_i (scale q_i)^T S0 + sum_{j <= i} (scale q_i . k_j) (G_i / G_j) delta_j
-    S_C = G_C S0 + sum_j (G_C / G_j) k_j delta_j^T.
-U, W and the decayed q.k matrix depend on the chunk alone, so one kernel computes them for
-every chunk at once; a second walks each sequence's chunks in order and carries S. The
-state is a pool of per-sequence slots, so the same call serves continuous batching.
-The prepare kernel is in atom.kernels.triton.gated_delta_prepare.
+    S_C = G_C S0 + sum_j (G_C / G_j) k_j delta_j^T
+    o_i = G_i (scale q_i)^T S0 + sum_{j <= i} (scale q_i . k_j) (G_i / G_j) delta_j.
+Three kernels, so that only the state recursion is sequential:
+- prepare (atom.kernels.triton.gated_delta_prepare): U, W and the in-chunk log decay of
+  every chunk at once;
+- state: one program per (sequence, value head, Dv tile) walks the sequence's chunks in
+  order, carrying S in fp32 registers; it stores each chunk's deltas and starting state;
+- output: one program per (chunk, value head, Dv tile), all at once, o from those two.
+So the output GEMMs, twice the recursion's FLOPs, are off its critical path. W, U, the
+deltas and the chunk states go through scratch in the input dtype (bf16 for the models):
+half the traffic of fp32, while the state kernel still adds S up in fp32 (see ChunkLaunch).
+The state is a pool of per-sequence slots, so the same call serves continuous batching.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,13 +43,51 @@ from atom.kernels.triton.gated_delta_prepare import (
 )
 
 DEFAULT_CHUNK = 64
-# Dv tile per program: several tiles per head so one long prefill still spreads over the SMs.
-MAX_BLOCK_V = 32
-# Both chunked kernels hold several [C, Dk] fp32 tiles at once. Compiled offline for sm_90a
-# (bf16, Dk = Dv = 128, C = 64; ptxas -v), spill stores are 1.1 KB (prepare) and 0.9 KB
-# (scan) with these; 4.1 KB and 1.9 KB with 4 warps. On an H100 (8 x 4096 tokens, Qwen3-Next
-# heads) the blocked inverse took the rule from 10.3 to 9.3 ms; vLLM's FLA takes 3.1 ms.
-CHUNK_LAUNCH = {"num_warps": 8, "num_stages": 2}
+# Dv tile of the recurrent (decode) kernel: several tiles per head spread a small batch
+# over the SMs.
+DECODE_BLOCK_V = 32
+
+
+@dataclass(frozen=True)
+class ChunkLaunch:
+    """Launch parameters of the chunked-prefill kernels; benchmarks/gated_delta.py --sweep
+    times alternatives by replacing CHUNK_LAUNCH.
+
+    Each kernel holds several [C, Dk] fp32 tiles, so warps are set by register spills
+    (Triton 3.9 for sm_90a, bf16, Dk = Dv = 128, C = 64, compiled offline; stack bytes a
+    thread): prepare 1272 with 8 warps, 1520 with 4; output (Dv tile 64) 144 with 8, 720
+    with 4. The state kernel is the sequential part: narrow Dv tiles give one long
+    sequence more programs (32 value heads x 128 / 32 = 128 on an H100's 132 SMs). It
+    takes a chunk's rows state_rows at a time; with Dv tiles of 32 it spilled 40 bytes at
+    16 rows and 8 warps, 552 at 32, 288 at 64; 496, 1232 and 1024 with 4 warps; at 64
+    rows, 784 with 16 warps (capped at 128 registers). Only its chunk loop has stages to
+    pipeline.
+
+    The low_precision_* flags keep scratch in the input dtype (bf16 for the models) instead
+    of fp32, halving its traffic: W and U feed the state recursion (bf16: 4e-3 relative
+    state error at Dk = Dv = 128 under the interpreter, the same after 256 and 4096
+    tokens); the deltas and chunk states feed only the outputs. All products take fp32
+    operands (tf32 for bf16 inputs): the state kernel adds S up in fp32, and Triton's
+    interpreter computes fp32 products right, unlike bf16 ones."""
+
+    prepare_warps: int = 8
+    state_block_v: int = 32
+    state_warps: int = 8
+    state_stages: int = 2
+    state_rows: int = 16
+    output_block_v: int = 64
+    output_warps: int = 8
+    low_precision_wu: bool = True
+    low_precision_deltas: bool = True
+
+    def __post_init__(self):
+        for name in ("state_block_v", "state_rows", "output_block_v"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):  # tl.dot tiles: powers of two, >= 16
+                raise ValueError(f"ChunkLaunch: {name}={value} must be a power of two >= 16")
+
+
+CHUNK_LAUNCH = ChunkLaunch()
 
 
 @triton.jit
@@ -64,62 +110,110 @@ def _load_state(state_ptr, slot, head, has_initial, kcols, vcols, dk, dv,
 
 
 @triton.jit
-def _chunk_scan_kernel(
-    q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr,
-    state_ptr, slots_ptr, query_start_loc_ptr, has_initial_ptr,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, o_stride_t, o_stride_h,
-    s_stride_s, s_stride_h, s_stride_k, s_stride_v,
-    num_v_heads, group, dk, dv, scale,
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+def _chunk_state_ptrs(ptr, chunk, head, num_v_heads, kcols, vcols, dk, dv):
+    """A [Dk, Dv tile] slice of the chunk-start states [chunks, Hv, Dk, Dv]."""
+    base = ptr + (chunk.to(tl.int64) * num_v_heads + head) * dk * dv
+    return base + kcols[:, None] * dv + vcols[None, :]
+
+
+@triton.jit
+def _chunk_state_kernel(
+    k_ptr, w_ptr, u_ptr, cum_ptr, delta_ptr, chunk_state_ptr,
+    state_ptr, slots_ptr, query_start_loc_ptr, has_initial_ptr, first_chunk_ptr,
+    k_stride_t, k_stride_h, s_stride_s, s_stride_h, s_stride_k, s_stride_v,
+    num_v_heads, group, dk, dv,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     L2NORM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program per (sequence, value head, Dv tile): the chunks in order, S in registers."""
+    """One program per (sequence, value head, Dv tile): the chunks in order, S in fp32
+    registers; each chunk's starting state and deltas go to scratch for the output kernel."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    key_head = head // group
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    if slot < 0:  # a padded sequence: no state (the output kernel writes its zeros)
+        return
     start = tl.load(query_start_loc_ptr + seq)
     end = tl.load(query_start_loc_ptr + seq + 1)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    idx = tl.arange(0, CHUNK)
+    chunk = tl.load(first_chunk_ptr + seq)
+    idx = tl.arange(0, ROWS)
     kcols = tl.arange(0, BLOCK_K)
     vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    o_head = o_ptr + head * o_stride_h + vcols[None, :]
-
-    if slot < 0:  # a padded sequence: zero outputs, no state
-        for chunk_start in range(start, end, CHUNK):
-            rows = (chunk_start + idx).to(tl.int64)
-            out_mask = (rows < end)[:, None] & (vcols[None, :] < dv)
-            zeros = tl.zeros([CHUNK, BLOCK_V], dtype=o_ptr.dtype.element_ty)
-            tl.store(o_head + rows[:, None] * o_stride_t, zeros, mask=out_mask)
-        return
-
+    k_offset = (head // group) * k_stride_h
     state, state_ptrs, state_mask = _load_state(
         state_ptr, slot, head, tl.load(has_initial_ptr + seq), kcols, vcols, dk, dv,
         s_stride_s, s_stride_h, s_stride_k, s_stride_v, BLOCK_K, BLOCK_V,
     )  # fmt: skip
     for chunk_start in range(start, end, CHUNK):
-        rows = (chunk_start + idx).to(tl.int64)
-        valid = rows < end
-        token_head = rows * num_v_heads + head
-        w = load_rows(w_ptr, token_head, valid, dk, 0, kcols, dk)
-        u = load_rows(u_ptr, token_head, valid, dv, 0, vcols, dv)
-        attn = load_rows(attn_ptr, token_head, valid, CHUNK, 0, idx, CHUNK)
-        cum = tl.load(cum_ptr + token_head, mask=valid, other=0.0)
+        ptrs = _chunk_state_ptrs(chunk_state_ptr, chunk, head, num_v_heads, kcols, vcols, dk, dv)
+        tl.store(ptrs, state.to(chunk_state_ptr.dtype.element_ty), mask=state_mask)
         last = tl.minimum(end, chunk_start + CHUNK) - 1
         cum_last = tl.load(cum_ptr + last.to(tl.int64) * num_v_heads + head)
-
-        delta = u - tl.dot(w, state, input_precision=PRECISION)
-        q = load_rows(q_ptr, rows, valid, q_stride_t, key_head * q_stride_h, kcols, dk)
-        q = l2_normalize(q, 1, L2NORM) * (scale * tl.exp(cum))[:, None]
-        o = tl.dot(q, state, input_precision=PRECISION)
-        o = tl.dot(attn, delta, o, input_precision=PRECISION)
-        out_mask = valid[:, None] & (vcols[None, :] < dv)
-        tl.store(o_head + rows[:, None] * o_stride_t, o.to(o_ptr.dtype.element_ty), mask=out_mask)
-
-        k = load_rows(k_ptr, rows, valid, k_stride_t, key_head * k_stride_h, kcols, dk)
-        k = l2_normalize(k, 1, L2NORM) * tl.where(valid, tl.exp(cum_last - cum), 0.0)[:, None]
-        state = tl.dot(tl.trans(k), delta, state * tl.exp(cum_last), input_precision=PRECISION)
+        # Row blocks of the chunk one at a time (their deltas all read the starting state):
+        # a block's [ROWS, Dk] tiles of W and K, not the chunk's, are live at once.
+        next_state = state * tl.exp(cum_last)
+        for block in tl.static_range(CHUNK // ROWS):
+            rows = (chunk_start + block * ROWS + idx).to(tl.int64)
+            valid = rows < end
+            token_head = rows * num_v_heads + head
+            w = load_rows(w_ptr, token_head, valid, dk, 0, kcols, dk)
+            u = load_rows(u_ptr, token_head, valid, dv, 0, vcols, dv)
+            delta = u - tl.dot(w, state, input_precision=PRECISION)
+            delta_ptrs = delta_ptr + token_head[:, None] * dv + vcols[None, :]
+            tl.store(delta_ptrs, delta.to(delta_ptr.dtype.element_ty),
+                     mask=valid[:, None] & (vcols[None, :] < dv))  # fmt: skip
+            cum = tl.load(cum_ptr + token_head, mask=valid, other=0.0)
+            k = load_rows(k_ptr, rows, valid, k_stride_t, k_offset, kcols, dk)
+            k = l2_normalize(k, 1, L2NORM) * tl.where(valid, tl.exp(cum_last - cum), 0.0)[:, None]
+            next_state = tl.dot(tl.trans(k), delta, next_state, input_precision=PRECISION)
+        state = next_state
+        chunk += 1
     tl.store(state_ptrs, state, mask=state_mask)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, cum_ptr, delta_ptr, chunk_state_ptr, o_ptr,
+    slots_ptr, chunk_start_ptr, chunk_end_ptr, chunk_seq_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, o_stride_t, o_stride_h,
+    num_v_heads, group, dk, dv, scale,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (chunk, value head, Dv tile): the chunk's outputs from its starting
+    state and deltas."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    key_head = head // group
+    start = tl.load(chunk_start_ptr + chunk)
+    end = tl.load(chunk_end_ptr + chunk)
+    idx = tl.arange(0, CHUNK)
+    rows = (start + idx).to(tl.int64)
+    valid = rows < end
+    kcols = tl.arange(0, BLOCK_K)
+    vcols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    out_ptrs = o_ptr + rows[:, None] * o_stride_t + head * o_stride_h + vcols[None, :]
+    out_mask = valid[:, None] & (vcols[None, :] < dv)
+    if tl.load(slots_ptr + tl.load(chunk_seq_ptr + chunk)) < 0:  # a padded sequence
+        tl.store(out_ptrs, tl.zeros([CHUNK, BLOCK_V], dtype=o_ptr.dtype.element_ty), mask=out_mask)
+        return
+
+    token_head = rows * num_v_heads + head
+    cum = tl.load(cum_ptr + token_head, mask=valid, other=0.0)
+    q = load_rows(q_ptr, rows, valid, q_stride_t, key_head * q_stride_h, kcols, dk)
+    q = l2_normalize(q, 1, L2NORM) * scale
+    k = load_rows(k_ptr, rows, valid, k_stride_t, key_head * k_stride_h, kcols, dk)
+    qk = tl.dot(q, tl.trans(l2_normalize(k, 1, L2NORM)), input_precision=PRECISION)
+    causal = idx[:, None] >= idx[None, :]
+    # exp only where i >= j: the cumulative log decay falls, so those ratios are <= 1.
+    qk *= tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+
+    ptrs = _chunk_state_ptrs(chunk_state_ptr, chunk, head, num_v_heads, kcols, vcols, dk, dv)
+    state_mask = (kcols[:, None] < dk) & (vcols[None, :] < dv)
+    chunk_state = tl.load(ptrs, mask=state_mask, other=0.0).to(tl.float32)
+    delta = load_rows(delta_ptr, token_head, valid, dv, 0, vcols, dv)
+    o = tl.dot(q * tl.exp(cum)[:, None], chunk_state, input_precision=PRECISION)
+    o = tl.dot(qk, delta, o, input_precision=PRECISION)
+    tl.store(out_ptrs, o.to(o_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -203,16 +297,20 @@ def _check_inputs(q, k, v, g, beta, state, state_slots, query_start_loc, has_ini
         )
 
 
-def _chunk_bounds(query_start_loc: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's chunks: first token and the sequence's end (one host sync)."""
+def _chunk_bounds(query_start_loc: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+    """Every chunk's first token, its sequence's end and its sequence, and every sequence's
+    first chunk (int32, one host sync and one copy)."""
     bounds = query_start_loc.tolist()
-    starts, ends = [], []
-    for begin, end in zip(bounds[:-1], bounds[1:]):
+    starts, ends, seqs, first_chunks = [], [], [], []
+    for seq, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        first_chunks.append(len(starts))
         for chunk_start in range(begin, end, chunk):
             starts.append(chunk_start)
             ends.append(end)
-    both = torch.tensor([starts, ends], dtype=torch.int32, device=query_start_loc.device)
-    return both[0], both[1]
+            seqs.append(seq)
+    both = torch.tensor(starts + ends + seqs + first_chunks, dtype=torch.int32,
+                        device=query_start_loc.device)  # fmt: skip
+    return both.split([len(starts)] * 3 + [len(first_chunks)])
 
 
 # Capturable: the decode batches a CUDA graph captures (one token per sequence) take the
@@ -253,11 +351,12 @@ def gated_delta_rule(
     group = num_v_heads // num_k_heads
     # tl.dot takes tiles of at least 16 a side
     block_k = max(triton.next_power_of_2(dk), 16)
-    block_v = max(min(triton.next_power_of_2(dv), MAX_BLOCK_V), 16)
+    full_v = max(triton.next_power_of_2(dv), 16)
     common_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
     state_strides = state.stride()
 
     if num_tokens == num_seqs:
+        block_v = min(full_v, DECODE_BLOCK_V)
         grid = (num_seqs, num_v_heads, triton.cdiv(dv, block_v))
         _recurrent_kernel[grid](
             q, k, v, g, beta, o, state, state_slots, query_start_loc, has_initial_state,
@@ -267,25 +366,36 @@ def gated_delta_rule(
         )  # fmt: skip
         return o
 
+    launch = CHUNK_LAUNCH
     precision = "ieee" if v.dtype == torch.float32 else "tf32"
-    chunk_starts, chunk_ends = _chunk_bounds(query_start_loc, chunk_size)
-    scratch = dict(dtype=torch.float32, device=v.device)
-    w = torch.empty(num_tokens, num_v_heads, dk, **scratch)
-    u = torch.empty(num_tokens, num_v_heads, dv, **scratch)
-    cum = torch.empty(num_tokens, num_v_heads, **scratch)
-    attn = torch.empty(num_tokens, num_v_heads, chunk_size, **scratch)
-    chunk_prepare_kernel[(chunk_starts.shape[0], num_v_heads)](
-        q, k, v, g, beta, w, u, cum, attn, chunk_starts, chunk_ends,
-        *common_strides, v.stride(0), v.stride(1), g.stride(0), g.stride(1),
-        beta.stride(0), beta.stride(1), num_v_heads, group, dk, dv, scale,
-        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=max(triton.next_power_of_2(dv), 16),
-        L2NORM=use_qk_l2norm, PRECISION=precision, **CHUNK_LAUNCH,
+    chunk_starts, chunk_ends, chunk_seqs, first_chunks = _chunk_bounds(query_start_loc, chunk_size)
+    num_chunks = chunk_starts.shape[0]
+    wu = dict(dtype=v.dtype if launch.low_precision_wu else torch.float32, device=v.device)
+    w = torch.empty(num_tokens, num_v_heads, dk, **wu)
+    u = torch.empty(num_tokens, num_v_heads, dv, **wu)
+    deltas = dict(dtype=v.dtype if launch.low_precision_deltas else torch.float32, device=v.device)
+    delta = torch.empty(num_tokens, num_v_heads, dv, **deltas)
+    chunk_states = torch.empty(num_chunks, num_v_heads, dk, dv, **deltas)
+    cum = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=v.device)
+    shape_args = dict(CHUNK=chunk_size, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision)
+    chunk_prepare_kernel[(num_chunks, num_v_heads)](
+        k, v, g, beta, w, u, cum, chunk_starts, chunk_ends, k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        num_v_heads, group, dk, dv, BLOCK_V=full_v, **shape_args,
+        num_warps=launch.prepare_warps,
     )  # fmt: skip
-    _chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(dv, block_v))](
-        q, k, w, u, cum, attn, o, state, state_slots, query_start_loc, has_initial_state,
-        *common_strides, o.stride(0), o.stride(1), *state_strides,
-        num_v_heads, group, dk, dv, scale,
-        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v,
-        L2NORM=use_qk_l2norm, PRECISION=precision, **CHUNK_LAUNCH,
+    block_v = min(full_v, launch.state_block_v)
+    _chunk_state_kernel[(num_seqs, num_v_heads, triton.cdiv(dv, block_v))](
+        k, w, u, cum, delta, chunk_states, state, state_slots, query_start_loc,
+        has_initial_state, first_chunks, k.stride(0), k.stride(1), *state_strides,
+        num_v_heads, group, dk, dv, BLOCK_V=block_v, ROWS=min(launch.state_rows, chunk_size),
+        **shape_args, num_warps=launch.state_warps, num_stages=launch.state_stages,
+    )  # fmt: skip
+    block_v = min(full_v, launch.output_block_v)
+    _chunk_output_kernel[(num_chunks, num_v_heads, triton.cdiv(dv, block_v))](
+        q, k, cum, delta, chunk_states, o, state_slots, chunk_starts, chunk_ends, chunk_seqs,
+        *common_strides, o.stride(0), o.stride(1), num_v_heads, group, dk, dv, scale,
+        BLOCK_V=block_v, **shape_args,
+        num_warps=launch.output_warps,
     )  # fmt: skip
     return o

@@ -1,6 +1,7 @@
-"""The chunk-local half of the chunked gated delta rule (see atom.kernels.triton.gated_delta):
-per (chunk, value head), U = (I + A)^-1 diag(beta) V, W = (I + A)^-1 diag(beta G) K, the
-in-chunk log decay and the decayed, causal q.k matrix, into token-indexed fp32 scratch.
+"""The chunk-local part of the chunked gated delta rule (see atom.kernels.triton.gated_delta):
+per (chunk, value head), U = (I + A)^-1 diag(beta) V, W = (I + A)^-1 diag(beta G) K and the
+in-chunk log decay, into token-indexed scratch (W and U in the scratch dtype, the decay in
+fp32).
 
 (I + A)^-1 is unit lower triangular. The prepare kernel splits it into [16, 16] blocks
 (at most four a side, so C <= 64): each diagonal block L_ii = I + A_ii is inverted by
@@ -122,45 +123,26 @@ def _beta_values(rows, valid, beta, v_ptr, v_stride_t, head_offset, vcols, dv):
 def _store_rows(ptr, rows, valid, num_v_heads, head, cols, dim, x):
     """x into token-indexed scratch [T, Hv, width]: rows of one head, columns below dim."""
     ptrs = ptr + ((rows * num_v_heads + head) * dim)[:, None] + cols[None, :]
-    tl.store(ptrs, x, mask=valid[:, None] & (cols[None, :] < dim))
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < dim))
 
 
 @triton.jit
 def chunk_prepare_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
-    chunk_start_ptr, chunk_end_ptr,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-    g_stride_t, g_stride_h, beta_stride_t, beta_stride_h,
-    num_v_heads, group, dk, dv, scale,
+    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, cum_ptr, chunk_start_ptr, chunk_end_ptr,
+    k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h,
+    beta_stride_t, beta_stride_h, num_v_heads, group, dk, dv,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     L2NORM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program per (chunk, value head): U, W, the in-chunk log decay and the decayed,
-    causal q.k matrix, into token-indexed scratch ([T, Hv, ...], fp32)."""
+    """One program per (chunk, value head): U, W and the in-chunk log decay, into
+    token-indexed scratch ([T, Hv, ...])."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // group
     start = tl.load(chunk_start_ptr + chunk)
     end = tl.load(chunk_end_ptr + chunk)
-    idx = tl.arange(0, CHUNK)
-    rows = (start + idx).to(tl.int64)
-    valid = rows < end
     kcols = tl.arange(0, BLOCK_K)
     vcols = tl.arange(0, BLOCK_V)
-
-    # The decayed q.k matrix over the whole chunk. Padding rows get g = 0: no decay.
-    g = tl.load(g_ptr + rows * g_stride_t + head * g_stride_h, mask=valid, other=0.0)
-    cum = tl.cumsum(g, axis=0)
-    tl.store(cum_ptr + rows * num_v_heads + head, cum, mask=valid)
-    causal = idx[:, None] >= idx[None, :]
-    # exp only where i >= j: the cumulative log decay falls, so those ratios are <= 1.
-    decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-    k = load_rows(k_ptr, rows, valid, k_stride_t, key_head * k_stride_h, kcols, dk)
-    q = load_rows(q_ptr, rows, valid, q_stride_t, key_head * q_stride_h, kcols, dk)
-    q = l2_normalize(q, 1, L2NORM) * scale
-    attn = tl.dot(q, tl.trans(l2_normalize(k, 1, L2NORM)), input_precision=PRECISION)
-    _store_rows(attn_ptr, rows, valid, num_v_heads, head, idx, CHUNK,
-                tl.where(causal, attn * decay, 0.0))  # fmt: skip
 
     # (I + A)^-1 in [SUB, SUB] blocks: the four diagonal ones by forward substitution,
     # then below them Inv_ij = -Inv_ii sum_{j <= m < i} A_im Inv_mj, in fp32.
@@ -186,6 +168,10 @@ def chunk_prepare_kernel(
     k1, beta1, cum1, cum_end = _key_block(rows1, valid1, cum_end, *per_block)
     k2, beta2, cum2, cum_end = _key_block(rows2, valid2, cum_end, *per_block)
     k3, beta3, cum3, _ = _key_block(rows3, valid3, cum_end, *per_block)
+    tl.store(cum_ptr + rows0 * num_v_heads + head, cum0, mask=valid0)
+    tl.store(cum_ptr + rows1 * num_v_heads + head, cum1, mask=valid1)
+    tl.store(cum_ptr + rows2 * num_v_heads + head, cum2, mask=valid2)
+    tl.store(cum_ptr + rows3 * num_v_heads + head, cum3, mask=valid3)
     d0, d1, d2, d3 = _invert_diagonal_blocks(
         _gram_block(k0, k0, beta0, cum0, cum0, True, PRECISION),
         _gram_block(k1, k1, beta1, cum1, cum1, True, PRECISION),
