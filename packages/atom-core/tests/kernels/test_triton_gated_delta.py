@@ -161,6 +161,9 @@ def test_prefill_larger_chunks(chunk_size):
 
 
 LAUNCHES = {  # through the hook benchmarks/gated_delta.py --sweep uses
+    # the defaults of a batch too small for the wide state tile to fill the SMs (on CPU
+    # the default is always the wide one)
+    "narrow-state default": triton_gated_delta.NARROW_STATE_LAUNCH,
     "narrow tiles": ChunkLaunch(state_block_v=16, output_block_v=16, state_warps=2),
     "wide tiles, whole chunk rows": ChunkLaunch(state_block_v=64, output_block_v=128,
                                                 state_rows=64, state_stages=3),

@@ -26,7 +26,7 @@ The state is a pool of per-sequence slots, so the same call serves continuous ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -41,6 +41,7 @@ from atom.kernels.triton.gated_delta_prepare import (
     l2_normalize,
     load_rows,
 )
+from atom.kernels.triton.tiles import num_sms
 
 DEFAULT_CHUNK = 64
 # Dv tile of the recurrent (decode) kernel: several tiles per head spread a small batch
@@ -70,13 +71,13 @@ class ChunkLaunch:
     operands (tf32 for bf16 inputs): the state kernel adds S up in fp32, and Triton's
     interpreter computes fp32 products right, unlike bf16 ones."""
 
-    prepare_warps: int = 8
+    prepare_warps: int = 4
     state_block_v: int = 32
     state_warps: int = 8
-    state_stages: int = 2
-    state_rows: int = 16
-    output_block_v: int = 64
-    output_warps: int = 8
+    state_stages: int = 3
+    state_rows: int = 64
+    output_block_v: int = 128
+    output_warps: int = 4
     low_precision_wu: bool = True
     low_precision_deltas: bool = True
 
@@ -87,7 +88,22 @@ class ChunkLaunch:
                 raise ValueError(f"ChunkLaunch: {name}={value} must be a power of two >= 16")
 
 
-CHUNK_LAUNCH = ChunkLaunch()
+# Measured on an H100 (benchmarks/gated_delta.py --sweep, Qwen3-Next heads, bf16): the
+# defaults above won at 1 x 4096 tokens (rule 1.41 -> 1.09 ms against the first defaults);
+# with 8 x 4096 a 64-wide state tile with 4 warps won on top (9.50 -> 7.05 ms), because
+# 64-wide tiles then still give every SM a program (8 x 32 heads x 2 tiles).
+NARROW_STATE_LAUNCH = ChunkLaunch()
+WIDE_STATE_LAUNCH = replace(NARROW_STATE_LAUNCH, state_block_v=64, state_warps=4)
+# benchmarks/gated_delta.py --sweep sets this to time one launch for every batch.
+CHUNK_LAUNCH: ChunkLaunch | None = None
+
+
+def chunk_launch(num_seqs: int, num_v_heads: int, dv: int, device: torch.device) -> ChunkLaunch:
+    """CHUNK_LAUNCH if set; else the wide state tile when it still fills the SMs."""
+    if CHUNK_LAUNCH is not None:
+        return CHUNK_LAUNCH
+    wide_programs = num_seqs * num_v_heads * triton.cdiv(dv, WIDE_STATE_LAUNCH.state_block_v)
+    return WIDE_STATE_LAUNCH if wide_programs >= num_sms(device) else NARROW_STATE_LAUNCH
 
 
 @triton.jit
@@ -366,7 +382,7 @@ def gated_delta_rule(
         )  # fmt: skip
         return o
 
-    launch = CHUNK_LAUNCH
+    launch = chunk_launch(num_seqs, num_v_heads, dv, v.device)
     precision = "ieee" if v.dtype == torch.float32 else "tf32"
     chunk_starts, chunk_ends, chunk_seqs, first_chunks = _chunk_bounds(query_start_loc, chunk_size)
     num_chunks = chunk_starts.shape[0]

@@ -1,9 +1,22 @@
-"""Program-to-tile order shared by ATOM's Triton GEMMs."""
+"""Program-to-tile order shared by ATOM's Triton GEMMs, and the SM count launches size
+their grids by."""
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (1 for the CPU interpreter, which runs one
+    program at a time)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
