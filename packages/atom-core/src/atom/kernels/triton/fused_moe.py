@@ -11,7 +11,6 @@ activations are quantized per token group and the GEMMs run in FP8.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,7 +22,7 @@ from atom.kernels.fp8 import FP8_DTYPE, quantize_fp8_per_token_group
 from atom.kernels.moe import check_moe_activation
 from atom.kernels.policy import capturable, register
 from atom.kernels.triton.moe_align import align_to_experts
-from atom.kernels.triton.tiles import grouped_tile
+from atom.kernels.triton.tiles import grouped_tile, num_sms
 
 # Weight scale kinds (constexpr SCALES).
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
@@ -197,13 +196,6 @@ def _moe_gemm_kernel(
         GATED=GATING != 0, HAS_BIAS=HAS_BIAS, CLAMPED_SWIGLU=CLAMPED_SWIGLU,
         APPLY_WEIGHT=APPLY_WEIGHT,
     )  # fmt: skip
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def pick_config(

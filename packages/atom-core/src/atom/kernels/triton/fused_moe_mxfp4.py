@@ -23,12 +23,12 @@ from atom.kernels.policy import capturable, register
 from atom.kernels.triton.fused_moe import (
     GemmTiles,
     MoEConfig,
-    num_sms,
     program_block,
     store_rows,
     sum_top_k,
 )
 from atom.kernels.triton.moe_align import align_to_experts
+from atom.kernels.triton.tiles import num_sms
 
 
 @triton.jit
