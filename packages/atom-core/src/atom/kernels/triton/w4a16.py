@@ -6,10 +6,11 @@ Two kernels, both accumulating in fp32 through tl.dot:
   ([BLOCK_K / 8, BLOCK_N] words per step); nibble j of word row i is K row 8i + j, so the
   step is eight dots, each of x's columns j::8 with nibble j of every word. Each nibble is
   dequantized where it lies, in the dot operand's own layout (sm_90 builds store no
-  [BLOCK_K, BLOCK_N] tile to shared memory), with no int-to-float conversion. cdiv(N, BLOCK_N) programs alone leave most SMs
-  idle (Qwen3-8B's down projection: 64 tiles on 132 SMs), so K is split across programs:
-  each writes its fp32 partial tile, and a second kernel sums the splits in a fixed order
-  (deterministic, no atomics), adds the bias and casts.
+  [BLOCK_K, BLOCK_N] tile to shared memory), with no int-to-float conversion.
+  cdiv(N, BLOCK_N) programs alone leave most SMs idle (Qwen3-8B's down projection: 32
+  128-wide tiles on 132 SMs), so K is split across programs: each writes its fp32 partial
+  tile, and a second kernel sums the splits in a fixed order (deterministic, no atomics),
+  adds the bias and casts.
 * larger M: per K step the [BLOCK_K, BLOCK_N] codes (each word read by the eight rows it
   holds; they hit the same cache line), one row of scales and zeros (BLOCK_K divides the
   group), dequantized in fp32 and fed to one dot.
