@@ -37,6 +37,30 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
+def _ranked(
+    what: str, durations: dict[str, list[float]], top: int, total: float | None = None
+) -> list[str]:
+    """Table rows of the `top` names by total time (with each one's share of `total` when
+    given), then one row for the rest."""
+    share = (lambda t: f"{t / total:>6.1%}") if total else (lambda t: f"{'':>6}")
+    rows = [
+        f"{what:<90} {'calls':>8} {'total ms':>10} {'share' if total else '':>6} {'mean us':>9}"
+    ]
+    ranked = sorted(durations.items(), key=lambda kv: -sum(kv[1]))
+    for name, times in ranked[:top]:
+        t = sum(times)
+        short = name if len(name) <= 90 else name[:87] + "..."
+        rows.append(
+            f"{short:<90} {len(times):>8,} {t / 1e3:>10,.2f} {share(t)} {t / len(times):>9,.1f}"
+        )
+    rest = ranked[top:]
+    if rest:
+        t = sum(sum(times) for _, times in rest)
+        label = f"({len(rest)} other {what}s)"
+        rows.append(f"{label:<90} {'':>8} {t / 1e3:>10,.2f} {share(t)}")
+    return rows
+
+
 def summarize(paths: list[Path]) -> str:
     """A text report of the kernels in one run's trace files (one file per process)."""
     kernels: dict[str, list[float]] = defaultdict(list)
@@ -67,32 +91,10 @@ def summarize(paths: list[Path]) -> str:
         f"GPU span {span / 1e3:,.1f} ms, busy {busy / 1e3:,.1f} ms ({busy / span:.0%}), "
         f"idle {(span - busy) / 1e3:,.1f} ms; kernel launches from the host {launches:,}, "
         f"CUDA graph launches {graph_launches:,}",
-        f"{'kernel':<90} {'calls':>8} {'total ms':>10} {'share':>6} {'mean us':>9}",
+        *_ranked("kernel", kernels, TOP_KERNELS, total),
     ]
-    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))
-    for name, durations in ranked[:TOP_KERNELS]:
-        t = sum(durations)
-        short = name if len(name) <= 90 else name[:87] + "..."
-        lines.append(
-            f"{short:<90} {len(durations):>8,} {t / 1e3:>10,.2f} {t / total:>6.1%} "
-            f"{t / len(durations):>9,.1f}"
-        )
-    rest = ranked[TOP_KERNELS:]
-    if rest:
-        t = sum(sum(d) for _, d in rest)
-        lines.append(
-            f"{f'({len(rest)} other kernels)':<90} {'':>8} {t / 1e3:>10,.2f} {t / total:>6.1%}"
-        )
     if host_ranges:
         # The hosts' named phases (vLLM's model runner, SGLang's scheduler): where the
         # CPU side of each step goes when the GPU waits (inclusive times; ranges nest).
-        lines.append(f"{'host range':<90} {'calls':>8} {'total ms':>10} {'':>6} {'mean us':>9}")
-        ranked_ranges = sorted(host_ranges.items(), key=lambda kv: -sum(kv[1]))
-        for name, durations in ranked_ranges[:TOP_HOST_RANGES]:
-            t = sum(durations)
-            short = name if len(name) <= 90 else name[:87] + "..."
-            lines.append(
-                f"{short:<90} {len(durations):>8,} {t / 1e3:>10,.2f} {'':>6} "
-                f"{t / len(durations):>9,.1f}"
-            )
+        lines += _ranked("host range", host_ranges, TOP_HOST_RANGES)
     return "\n".join(lines) + "\n"
