@@ -121,6 +121,8 @@ def test_resolve_rejects_bad_options(tmp_path):
     resolve(args)
     assert args.baseline == "vllm" and args.max_model_len == 2048
     assert args.host_options["atom"] == {"max_num_seqs": 64}
+    # a host path no engine of the run uses is not checked
+    resolve(_args(["--engines", "atom,vllm", "--sglang-path", str(tmp_path / "missing")]))
 
 
 def _result(engine, workload, rate):

@@ -332,8 +332,10 @@ def resolve(args: argparse.Namespace) -> None:
         raise BenchError(f"--repeats {args.repeats}: run each workload at least once")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise BenchError("--gpu-memory-utilization must be in (0, 1]")
+    hosts = {e.host for e in args.engine_list}
     for host, path in (("vllm", args.vllm_path), ("sglang", args.sglang_path)):
-        if path and not Path(path).is_dir():
+        # one command line serves every engine: only the engines' own hosts must be there
+        if host in hosts and path and not Path(path).is_dir():
             raise BenchError(f"--{host}-path {path} is not a directory")
     args.host_options = {
         host: _options(getattr(args, f"{host}_option")) for host in ("atom", "vllm", "sglang")
