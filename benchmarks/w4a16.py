@@ -36,7 +36,8 @@ from functools import partial
 
 import torch
 
-from atom.kernels.triton.w4a16 import _config, _sm_count, w4a16_gemm_triton
+from atom.kernels.triton.tiles import num_sms
+from atom.kernels.triton.w4a16 import pick_w4a16_config, w4a16_gemm_triton
 from atom.kernels.w4a16 import pack_int4_rows
 from atom.layers.linear import ReplicatedLinear
 from atom.layers.quantization.awq import AWQ_PACK_ORDER, AwqConfig
@@ -223,7 +224,7 @@ def sweep_layer(name: str, w: QuantizedWeight, weight, gemm, m: int, sms: int, t
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(w.codes.device)
     x = x.bfloat16() if x.is_cuda else x  # the interpreter's bf16 dot is wrong
     want = x.double() @ weight
-    default = _config(m, n, k, sms)
+    default = pick_w4a16_config(m, n, k, sms)
     configs = dict.fromkeys([*sweep_configs(n, k, sms), default])
     runs = {config: partial(gemm, x, config=config) for config in configs}
     error_of = partial(relative_error, want=want)
@@ -349,7 +350,7 @@ def main() -> None:
             w = random_weight(fmt, *LAYERS[name], args.group_size, "cuda")
             atom, weight = atom_gemm(atom_layer(w)), w.dequantized()
             if args.sweep:
-                sms = _sm_count(torch.device("cuda"))
+                sms = num_sms(torch.device("cuda"))
                 for m in SWEEP_TOKENS:
                     rows.append(sweep_layer(name, w, weight, atom, m, sms, graph_replay_us))
                     print_sweep(rows[-1])

@@ -173,7 +173,7 @@ _MAX_SPLIT_K = 16
 _MIN_SPLIT_LEN = 512  # K rows per split: shorter splits spend their time filling the pipeline
 
 
-def _config(m: int, n: int, k: int, sms: int) -> W4a16Config:
+def pick_w4a16_config(m: int, n: int, k: int, sms: int) -> W4a16Config:
     """Defaults: for small M, 128-wide tiles and K splits until there are two programs per
     SM. On an H100 (benchmarks/w4a16.py --sweep, Qwen3-8B layers, GPTQ group 128, M = 1
     and 16, graph replays) this picks qkv split 8, o 8, gate_up 2, down 8: within 4% of
@@ -204,7 +204,7 @@ def w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bias, config=None):
     (m, k), n = x.shape, qweight.shape[1]
     if group_size % 32 and group_size != k:
         raise ValueError(f"w4a16_gemm_triton: group_size {group_size} is not a multiple of 32")
-    config = config or _config(m, n, k, num_sms(x.device))
+    config = config or pick_w4a16_config(m, n, k, num_sms(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
