@@ -1,7 +1,9 @@
 """The launch search of benchmarks/gated_delta.py --sweep: the chunked gated delta rule
 (prefill) under candidate ChunkLaunch configs, at Qwen3-Next's shapes.
 
-The candidates are the default and, one field at a time, each alternative value of
+The candidates are the launch the rule picks for the case by default (the narrow or the
+wide state tile, atom.kernels.triton.gated_delta.chunk_launch) and, one field at a time,
+each other value of
 VARIATIONS (Dv tiles, row blocks, warps and stages of the kernels, the scratch dtypes);
 then the default with every field that beat it on its own, combined. Each candidate's outputs and
 final states are checked once against ATOM's torch reference (against the default's for
@@ -33,16 +35,18 @@ from benchmarks.gated_delta import (
 )
 from benchmarks.timing import bench, interleaved
 
+# Every value of a field (the default's among them, dropped as a duplicate), so the search
+# tries the others whichever launch is the default.
 VARIATIONS = {
-    "state_block_v": [16, 64],
-    "state_warps": [4],
-    "state_stages": [1, 3, 4],
-    "state_rows": [32, 64],
-    "output_block_v": [32, 128],
-    "output_warps": [4],
-    "prepare_warps": [4],
-    "low_precision_wu": [False],
-    "low_precision_deltas": [False],
+    "state_block_v": [16, 32, 64],
+    "state_warps": [4, 8],
+    "state_stages": [1, 2, 3, 4],
+    "state_rows": [16, 32, 64],
+    "output_block_v": [32, 64, 128],
+    "output_warps": [4, 8],
+    "prepare_warps": [4, 8],
+    "low_precision_wu": [True, False],
+    "low_precision_deltas": [True, False],
 }
 TIMING_ROUNDS = 3
 PROFILED_CALLS = 5
@@ -59,19 +63,18 @@ def chunk_launch(launch: ChunkLaunch):
         triton_gated_delta.CHUNK_LAUNCH = default
 
 
-def candidates() -> list[ChunkLaunch]:
-    default = ChunkLaunch()
-    return [default] + [
+def candidates(default: ChunkLaunch) -> list[ChunkLaunch]:
+    variations = [
         replace(default, **{field: value})
         for field, values in VARIATIONS.items()
         for value in values
     ]
+    return list(dict.fromkeys([default, *variations]))  # a value may be the default's
 
 
-def combined(results: list[dict]) -> ChunkLaunch | None:
+def combined(results: list[dict], default: ChunkLaunch) -> ChunkLaunch | None:
     """The default with every single-field change that was faster than it, or None when
     fewer than two were."""
-    default = ChunkLaunch()
     default_ms = next(r["ms"] for r in results if r["launch"] == default)
     changes = {}
     for r in sorted((r for r in results if r["ok"]), key=lambda r: r["ms"], reverse=True):
@@ -80,8 +83,7 @@ def combined(results: list[dict]) -> ChunkLaunch | None:
     return replace(default, **changes) if len(changes) > 1 else None
 
 
-def describe(launch: ChunkLaunch) -> str:
-    default = ChunkLaunch()
+def describe(launch: ChunkLaunch, default: ChunkLaunch) -> str:
     changed = [f"{f.name}={getattr(launch, f.name)}" for f in fields(launch)
                if getattr(launch, f.name) != getattr(default, f.name)]  # fmt: skip
     return ", ".join(changed) or "default"
@@ -108,7 +110,7 @@ def rule_call(batch, mixed, launch: ChunkLaunch):
     return run
 
 
-def check_all(batch, mixed, launches: list[ChunkLaunch]) -> list:
+def check_all(batch, mixed, launches: list[ChunkLaunch], default: ChunkLaunch) -> list:
     """Per launch: {"launch", "error" (the worst relative error of outputs and states),
     "ok"}, or the exception that stopped it."""
     if max(batch.lens) <= REFERENCE_MAX_LEN:
@@ -116,13 +118,13 @@ def check_all(batch, mixed, launches: list[ChunkLaunch]) -> list:
         out, _, states = reference(mixed, batch.conv_state.clone(), batch.ssm_state.clone())
         want, against = (out, states[batch.slots.long()]), "reference"
     else:
-        want, against = rule_call(batch, mixed, ChunkLaunch())(), "default launch"
+        want, against = rule_call(batch, mixed, default)(), "default launch"
     results = []
     for launch in launches:
         try:
             got = rule_call(batch, mixed, launch)()
         except Exception as exc:  # a config this Triton or this GPU cannot compile or run
-            print(f"  skip {describe(launch)}: {type(exc).__name__}: {exc}", flush=True)
+            print(f"  skip {describe(launch, default)}: {type(exc).__name__}: {exc}", flush=True)
             continue
         worst = max(error(g, w)["rel"] for g, w in zip(got, want))
         results.append({"launch": launch, "error": worst, "against": against,
@@ -158,27 +160,31 @@ def kernel_breakdown(run) -> None:
 def sweep_case(name: str, lens: list[int], shape, device: str) -> list[dict]:
     batch = make_batch(shape, lens, False, device)
     mixed = atom_side(batch)["conv"](batch.x, batch.conv_state.clone(), None)[0]
-    print(f"{name}: {len(lens)} sequence(s), {sum(lens)} tokens", flush=True)
-    results = check_all(batch, mixed, candidates())
+    # the launch the rule picks for this batch when no sweep sets one
+    default = triton_gated_delta.chunk_launch(
+        len(lens), shape.v_heads, shape.head_dim, torch.device(device)
+    )
+    print(f"{name}: {len(lens)} sequence(s), {sum(lens)} tokens; default {default}", flush=True)
+    results = check_all(batch, mixed, candidates(default), default)
     time_all(batch, mixed, results, device)
-    best_of_each = combined(results)
+    best_of_each = combined(results, default)
     if best_of_each is not None:
-        extra = check_all(batch, mixed, [best_of_each])
+        extra = check_all(batch, mixed, [best_of_each], default)
         time_all(batch, mixed, extra, device)
         results += extra
     results.sort(key=lambda r: (not r["ok"], r["ms"]))
-    default_ms = next(r["ms"] for r in results if r["launch"] == ChunkLaunch())
+    default_ms = next(r["ms"] for r in results if r["launch"] == default)
     print(f"  {'rule ms':>9} {'vs default':>10} {'rel error':>9}  launch (changes from default)")
     for r in results:
         flag = "" if r["ok"] else "  SUSPECT"
         print(f"  {r['ms']:9.3f} {default_ms / r['ms']:9.2f}x {r['error']:9.1e}  "
-              f"{describe(r['launch'])}{flag}")  # fmt: skip
+              f"{describe(r['launch'], default)}{flag}")  # fmt: skip
     print(f"  errors against the {results[0]['against']}", flush=True)
     if results[0]["ok"]:
         print(f"  winner: {results[0]['launch']}", flush=True)
     if device == "cuda":
-        for launch in {results[0]["launch"], ChunkLaunch()}:
-            print(f"  kernels of {describe(launch)}:", flush=True)
+        for launch in {results[0]["launch"], default}:
+            print(f"  kernels of {describe(launch, default)}:", flush=True)
             kernel_breakdown(rule_call(batch, mixed, launch))
     return results
 
