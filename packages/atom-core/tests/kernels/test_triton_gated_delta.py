@@ -9,8 +9,9 @@ read nor write them.
 
 On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1; skipped otherwise) with
 small heads and chunks of 16, so sequences span several chunks and end inside one (and
-chunks of 64 under other launch configs of the prefill kernels); the `gpu` cases run Qwen3-Next's shapes (Dk = Dv = 128, 16 key / 32 value heads) in bf16 with
-the default chunk of 64.
+chunks of 64 under other launch configs of the prefill kernels); the `gpu` cases run
+Qwen3-Next's shapes (Dk = Dv = 128, 16 key / 32 value heads) in bf16 with the default
+chunk of 64.
 """
 
 from __future__ import annotations
