@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tomllib
 from pathlib import Path
@@ -31,6 +32,18 @@ def install_core(session: nox.Session, *extras: str) -> None:
     session.install("-e", spec)
 
 
+def run_suite(session: nox.Session, tests: Path) -> None:
+    """pytest on one suite. With ATOM_DISCARD_VENVS set (.ci/run sets it), the session's
+    virtualenv (2 to 3.5 GB: torch, triton, the host) is removed once the suite has run,
+    because a CI machine can have less free disk than the four suites' environments
+    together need (a run ended with "No space left on device")."""
+    try:
+        session.run("pytest", str(tests), *session.posargs, env={"PYTHONHASHSEED": "0"})
+    finally:
+        if os.environ.get("ATOM_DISCARD_VENVS"):
+            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
 def editable(package: Path) -> list[str]:
     """`-e package[test]` (or without the extra where the package declares none)."""
     project = tomllib.loads((package / "pyproject.toml").read_text())["project"]
@@ -58,7 +71,7 @@ def tests(session: nox.Session, transformers: str) -> None:
     """
     session.install(TORCH)  # first, so nothing resolves a CUDA build of it from PyPI
     session.install(TORCH, f"transformers=={transformers}", *editable(CORE))
-    session.run("pytest", str(CORE / "tests"), *session.posargs, env={"PYTHONHASHSEED": "0"})
+    run_suite(session, CORE / "tests")
 
 
 @nox.session(python="3.11")
@@ -69,10 +82,7 @@ def tests_vllm(session: nox.Session) -> None:
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("--no-deps", *editable(CORE), *editable(ROOT / "packages" / "atom-vllm"))
     session.install("pytest", "requests", "numpy")
-    session.run(
-        "pytest", str(ROOT / "packages" / "atom-vllm" / "tests"), *session.posargs,
-        env={"PYTHONHASHSEED": "0"},
-    )  # fmt: skip
+    run_suite(session, ROOT / "packages" / "atom-vllm" / "tests")
 
 
 # SGLang 0.5.21's CPU engine: its plain-Python dependencies (the wheel itself pins CUDA
@@ -102,10 +112,7 @@ def tests_sglang(session: nox.Session) -> None:
     session.install(TORCH, TRANSFORMERS, *SGLANG_DEPS, "pytest")
     session.install("--no-deps", *SGLANG_NO_DEPS)
     session.install("--no-deps", *editable(CORE), *editable(ROOT / "packages" / "atom-sglang"))
-    session.run(
-        "pytest", str(ROOT / "packages" / "atom-sglang" / "tests"), *session.posargs,
-        env={"PYTHONHASHSEED": "0"},
-    )  # fmt: skip
+    run_suite(session, ROOT / "packages" / "atom-sglang" / "tests")
 
 
 @nox.session(python="3.11")
