@@ -38,8 +38,10 @@ from atom.kernels.triton.causal_conv1d import check_varlen_batch
 from atom.kernels.triton.gated_delta_prepare import (
     MAX_CHUNK,
     chunk_prepare_kernel,
+    chunk_program,
     l2_normalize,
     load_rows,
+    store_rows,
 )
 from atom.kernels.triton.tiles import num_sms
 
@@ -174,9 +176,7 @@ def _chunk_state_kernel(
             w = load_rows(w_ptr, token_head, valid, dk, 0, kcols, dk)
             u = load_rows(u_ptr, token_head, valid, dv, 0, vcols, dv)
             delta = u - tl.dot(w, state, input_precision=PRECISION)
-            delta_ptrs = delta_ptr + token_head[:, None] * dv + vcols[None, :]
-            tl.store(delta_ptrs, delta.to(delta_ptr.dtype.element_ty),
-                     mask=valid[:, None] & (vcols[None, :] < dv))  # fmt: skip
+            store_rows(delta_ptr, rows, valid, num_v_heads, head, vcols, dv, delta)
             cum = tl.load(cum_ptr + token_head, mask=valid, other=0.0)
             k = load_rows(k_ptr, rows, valid, k_stride_t, k_offset, kcols, dk)
             k = l2_normalize(k, 1, L2NORM) * tl.where(valid, tl.exp(cum_last - cum), 0.0)[:, None]
@@ -197,11 +197,7 @@ def _chunk_output_kernel(
 ):  # fmt: skip
     """One program per (chunk, value head, Dv tile): the chunk's outputs from its starting
     state and deltas."""
-    chunk = tl.program_id(0)
-    head = tl.program_id(1)
-    key_head = head // group
-    start = tl.load(chunk_start_ptr + chunk)
-    end = tl.load(chunk_end_ptr + chunk)
+    chunk, head, key_head, start, end = chunk_program(chunk_start_ptr, chunk_end_ptr, group)
     idx = tl.arange(0, CHUNK)
     rows = (start + idx).to(tl.int64)
     valid = rows < end

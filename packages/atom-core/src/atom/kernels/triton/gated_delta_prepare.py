@@ -120,10 +120,25 @@ def _beta_values(rows, valid, beta, v_ptr, v_stride_t, head_offset, vcols, dv):
 
 
 @triton.jit
-def _store_rows(ptr, rows, valid, num_v_heads, head, cols, dim, x):
+def store_rows(ptr, rows, valid, num_v_heads, head, cols, dim, x):
     """x into token-indexed scratch [T, Hv, width]: rows of one head, columns below dim."""
     ptrs = ptr + ((rows * num_v_heads + head) * dim)[:, None] + cols[None, :]
     tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < dim))
+
+
+@triton.jit
+def chunk_program(chunk_start_ptr, chunk_end_ptr, group):
+    """(chunk, value head, key head, first token, sequence end) of a program of a grid over
+    (chunk, value head, ...)."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    return (
+        chunk,
+        head,
+        head // group,
+        tl.load(chunk_start_ptr + chunk),
+        tl.load(chunk_end_ptr + chunk),
+    )
 
 
 @triton.jit
@@ -136,11 +151,7 @@ def chunk_prepare_kernel(
 ):  # fmt: skip
     """One program per (chunk, value head): U, W and the in-chunk log decay, into
     token-indexed scratch ([T, Hv, ...])."""
-    chunk = tl.program_id(0)
-    head = tl.program_id(1)
-    key_head = head // group
-    start = tl.load(chunk_start_ptr + chunk)
-    end = tl.load(chunk_end_ptr + chunk)
+    chunk, head, key_head, start, end = chunk_program(chunk_start_ptr, chunk_end_ptr, group)
     kcols = tl.arange(0, BLOCK_K)
     vcols = tl.arange(0, BLOCK_V)
 
@@ -197,17 +208,17 @@ def chunk_prepare_kernel(
         *inverse, k0 * (beta0 * tl.exp(cum0))[:, None], k1 * (beta1 * tl.exp(cum1))[:, None],
         k2 * (beta2 * tl.exp(cum2))[:, None], k3 * (beta3 * tl.exp(cum3))[:, None], PRECISION,
     )  # fmt: skip
-    _store_rows(w_ptr, rows0, valid0, num_v_heads, head, kcols, dk, w0)
-    _store_rows(w_ptr, rows1, valid1, num_v_heads, head, kcols, dk, w1)
-    _store_rows(w_ptr, rows2, valid2, num_v_heads, head, kcols, dk, w2)
-    _store_rows(w_ptr, rows3, valid3, num_v_heads, head, kcols, dk, w3)
+    store_rows(w_ptr, rows0, valid0, num_v_heads, head, kcols, dk, w0)
+    store_rows(w_ptr, rows1, valid1, num_v_heads, head, kcols, dk, w1)
+    store_rows(w_ptr, rows2, valid2, num_v_heads, head, kcols, dk, w2)
+    store_rows(w_ptr, rows3, valid3, num_v_heads, head, kcols, dk, w3)
     v_head = (v_ptr, v_stride_t, head * v_stride_h, vcols, dv)
     u0, u1, u2, u3 = _block_lower_times(
         *inverse, _beta_values(rows0, valid0, beta0, *v_head),
         _beta_values(rows1, valid1, beta1, *v_head), _beta_values(rows2, valid2, beta2, *v_head),
         _beta_values(rows3, valid3, beta3, *v_head), PRECISION,
     )  # fmt: skip
-    _store_rows(u_ptr, rows0, valid0, num_v_heads, head, vcols, dv, u0)
-    _store_rows(u_ptr, rows1, valid1, num_v_heads, head, vcols, dv, u1)
-    _store_rows(u_ptr, rows2, valid2, num_v_heads, head, vcols, dv, u2)
-    _store_rows(u_ptr, rows3, valid3, num_v_heads, head, vcols, dv, u3)
+    store_rows(u_ptr, rows0, valid0, num_v_heads, head, vcols, dv, u0)
+    store_rows(u_ptr, rows1, valid1, num_v_heads, head, vcols, dv, u1)
+    store_rows(u_ptr, rows2, valid2, num_v_heads, head, vcols, dv, u2)
+    store_rows(u_ptr, rows3, valid3, num_v_heads, head, vcols, dv, u3)
