@@ -16,7 +16,6 @@ time of each kernel of the winner and of the default (torch profiler).
 from __future__ import annotations
 
 import statistics
-import time
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 
@@ -33,7 +32,7 @@ from benchmarks.gated_delta import (
     error,
     make_batch,
 )
-from benchmarks.timing import bench, interleaved
+from benchmarks.timing import bench, interleaved, wall_ms
 
 # Every value of a field (the default's among them, dropped as a duplicate), so the search
 # tries the others whichever launch is the default.
@@ -89,13 +88,6 @@ def describe(launch: ChunkLaunch, default: ChunkLaunch) -> str:
     return ", ".join(changed) or "default"
 
 
-def cpu_time(fn) -> float:
-    """One call's wall time in ms (Triton's interpreter: for the plumbing, not the speed)."""
-    begin = time.perf_counter()
-    fn()
-    return 1e3 * (time.perf_counter() - begin)
-
-
 def rule_call(batch, mixed, launch: ChunkLaunch):
     """fn() -> (outputs, the batch's final states), the ATOM rule launched with `launch`
     on its own copy of the state pool, as benchmarks/gated_delta.py times it."""
@@ -134,7 +126,7 @@ def check_all(batch, mixed, launches: list[ChunkLaunch], default: ChunkLaunch) -
 
 def time_all(batch, mixed, results: list[dict], device: str) -> None:
     """Each result's median time in ms (all candidates taking turns), into result["ms"]."""
-    timer = bench if device == "cuda" else cpu_time
+    timer = bench if device == "cuda" else wall_ms
     runs = [rule_call(batch, mixed, r["launch"]) for r in results]
     rounds = TIMING_ROUNDS if device == "cuda" else 1
     times = [[timer(run)] for run in runs] if rounds == 1 else interleaved(runs, rounds)

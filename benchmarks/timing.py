@@ -6,6 +6,7 @@ each round's ratio cancels that round's clock."""
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,6 +21,14 @@ H100_PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}
 def bench(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
     """fn's median time in ms (warmup and rep are milliseconds of calls)."""
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def wall_ms(fn: Callable) -> float:
+    """One call's wall time in ms, for the sweeps' checks under Triton's interpreter on the
+    CPU (they go through every step; the times mean nothing)."""
+    begin = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - begin)
 
 
 def interleaved(fns: Sequence[Callable], rounds: int = 5) -> list[list[float]]:
