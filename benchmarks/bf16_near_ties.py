@@ -18,8 +18,8 @@ import argparse
 import time
 
 import torch
-import transformers
 
+from atom.bench.checkpoint import random_model
 from atom.bench.shapes import SHAPES
 
 
@@ -37,15 +37,13 @@ def main() -> None:
     args = parser.parse_args()
 
     shape = SHAPES[args.shape]
-    config_class = getattr(transformers, shape.config_class)
-    config = config_class(**shape.fields | {"num_hidden_layers": args.layers})
-    torch.manual_seed(0)  # as atom.bench.checkpoint: HF's own initialisation, in bf16
+    fields = shape.fields | {"num_hidden_layers": args.layers}
     start = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model = random_model(shape.config_class, shape.architecture, fields, "cpu").eval()
     print(f"{args.shape}, {args.layers} layers: built in {time.perf_counter() - start:.0f} s")
     prompts = torch.randint(
         0,
-        config.vocab_size,
+        model.config.vocab_size,
         (args.prompts, args.prompt_len),
         generator=torch.Generator().manual_seed(1),
     )

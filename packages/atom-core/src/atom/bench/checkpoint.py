@@ -16,18 +16,27 @@ from pathlib import Path
 from atom.bench.quantize import quantize_checkpoint
 
 
-def write_checkpoint(
-    config_class: str, architecture: str, fields: dict, folder: Path, quantization: str | None
-) -> None:
+def random_model(config_class: str, architecture: str, fields: dict, device: str):
+    """The shape's HF model with HF's own initialisation from seed 0, made in bfloat16 on
+    `device` (fp32 first would not fit for large shapes): the weights every bench engine
+    loads."""
     import torch
     import transformers
 
     config = getattr(transformers, config_class)(**fields, architectures=[architecture])
     config.dtype = torch.bfloat16
     torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def write_checkpoint(
+    config_class: str, architecture: str, fields: dict, folder: Path, quantization: str | None
+) -> None:
+    import torch
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):  # made in bfloat16: fp32 first would not fit for large shapes
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = random_model(config_class, architecture, fields, device)
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, safe_serialization=True)
