@@ -52,7 +52,7 @@ PROFILED_CALLS = 5
 
 
 @contextmanager
-def chunk_launch(launch: ChunkLaunch):
+def launched_with(launch: ChunkLaunch):
     """The gated delta rule's chunked kernels launched with `launch` inside the block."""
     default = triton_gated_delta.CHUNK_LAUNCH
     triton_gated_delta.CHUNK_LAUNCH = launch
@@ -95,7 +95,7 @@ def rule_call(batch, mixed, launch: ChunkLaunch):
     conv_state, ssm_state = batch.conv_state.clone(), batch.ssm_state.clone()
 
     def run():
-        with chunk_launch(launch):
+        with launched_with(launch):
             out, _, states = rule(mixed, conv_state, ssm_state)
         return out, states[batch.slots.long()]
 
