@@ -177,11 +177,38 @@ def _bench_serve(args: argparse.Namespace) -> None:
         args.parser.error(str(exc))
 
 
-def add_bench_serve_commands(bench: argparse.ArgumentParser) -> None:
-    """`atom bench serve` and `atom bench serve-suite`: online serving benchmarks."""
+def _bench_check(args: argparse.Namespace) -> None:
+    from atom.bench.check import main as run_check
+    from atom.bench.workloads import BenchError
+
+    try:
+        rows = run_check(args)
+    except BenchError as exc:
+        args.parser.error(str(exc))
+    if any("error" in r or not r.get("passed", True) for r in rows):
+        raise SystemExit("atom bench check: some engines disagree with their reference or failed")
+
+
+def add_bench_commands(bench: argparse.ArgumentParser) -> None:
+    """`atom bench check` (teacher-forced correctness) and the online serving benchmarks
+    `atom bench serve` and `atom bench serve-suite`."""
+    from atom.bench.check import add_arguments as add_check_arguments
     from atom.bench.serve.options import add_serve_arguments, add_suite_arguments
 
-    online = bench.add_subparsers(dest="bench_command", title="online serving (optional)")
+    online = bench.add_subparsers(dest="bench_command", title="subcommands (optional)")
+    check = online.add_parser(
+        "check",
+        help="teacher-forced logprobs of each engine against HF transformers (float32) and "
+        "its host's own model; fails when they differ by more than the dtype explains",
+        description="Feeds the same random token streams to HF transformers (float32, and "
+        "in the engines' dtype as the rounding floor) and to each engine, and prints per "
+        "shape the top-1 agreement and log-probability differences; exits 1 when an "
+        "engine is further from its reference than the floor allows. Writes "
+        "OUT/check.json. Example: atom bench check --engines atom,vllm,vllm-atom "
+        "--shapes qwen3-8b:8 --streams 4x512",
+    )
+    add_check_arguments(check)
+    check.set_defaults(func=_bench_check, parser=check)
     serve = online.add_parser(
         "serve",
         help="a running OpenAI-compatible server under a Poisson rate sweep: TTFT, TPOT, ITL",
@@ -253,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench, parser=bench)
-    add_bench_serve_commands(bench)
+    add_bench_commands(bench)
     return parser
 
 

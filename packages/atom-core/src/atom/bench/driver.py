@@ -21,6 +21,7 @@ from pathlib import Path
 
 from atom.bench.profile import summarize
 from atom.bench.report import median_run
+from atom.bench.teacher_forcing import Position, from_entries, from_logprobs, to_json
 from atom.bench.workloads import Workload, make_prompts, warmup_workload
 
 EVENT = "BENCH_EVENT "
@@ -30,6 +31,11 @@ GREEDY_SAMPLE = 8  # prompts per workload whose tokens go to the report (atom.be
 def engine_dtype(device: str) -> str:
     """Every engine runs bfloat16 on a GPU; on the CPU only ATOM runs, in float32."""
     return "float32" if device == "cpu" else "bfloat16"
+
+
+def job_dtype(job: dict) -> str:
+    """The dtype a job asks for (`atom bench check --dtype`), else `engine_dtype`'s."""
+    return job.get("dtype") or engine_dtype(job["device"])
 
 
 def emit(event: str, **fields) -> None:
@@ -55,7 +61,7 @@ class AtomEngine:
 
         self.params = SamplingParams
         kwargs = dict(
-            dtype=engine_dtype(job["device"]),
+            dtype=job_dtype(job),
             device=job["device"],
             max_model_len=job["max_model_len"],
             skip_tokenizer_init=True,
@@ -71,6 +77,11 @@ class AtomEngine:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
+    def prompt_logprobs(self, streams: list[list[int]], k: int) -> list[list[Position]]:
+        params = self.params(max_tokens=1, prompt_logprobs=k, detokenize=False)
+        outputs = self.llm.generate(streams, params, use_tqdm=False)
+        return [from_entries(o.prompt_logprobs, s) for o, s in zip(outputs, streams)]
+
     def kv_report(self, context_len: int) -> dict:
         """KV bytes per token of `context_len`-token sequences, as allocated (sliding-window
         layers keep only their window's pages) and as the full layout would need."""
@@ -85,7 +96,7 @@ class VllmEngine:
         self.params = vllm.SamplingParams
         defaults = dict(
             skip_tokenizer_init=True,
-            dtype="bfloat16",
+            dtype=job_dtype(job),
             max_model_len=job["max_model_len"],
             gpu_memory_utilization=job["gpu_memory_utilization"],
             seed=0,
@@ -100,6 +111,18 @@ class VllmEngine:
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
         )
         return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def prompt_logprobs(self, streams: list[list[int]], k: int) -> list[list[Position]]:
+        params = self.params(max_tokens=1, prompt_logprobs=k, detokenize=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": s} for s in streams], params, use_tqdm=False
+        )
+        return [
+            from_entries(
+                [row and {t: lp.logprob for t, lp in row.items()} for row in o.prompt_logprobs], s
+            )
+            for o, s in zip(outputs, streams)
+        ]
 
     # The bench runs vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0 when it profiles.
     trace = staticmethod(in_process_trace)
@@ -128,6 +151,29 @@ class SglangEngine:
         outputs = self.engine.generate(input_ids=prompts, sampling_params=params)
         return [list(o["output_ids"]) for o in outputs]
 
+    def prompt_logprobs(self, streams: list[list[int]], k: int) -> list[list[Position]]:
+        outputs = self.engine.generate(
+            input_ids=streams,
+            sampling_params={"temperature": 0.0, "max_new_tokens": 1},
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=k,
+        )
+        # Both lists hold (logprob, token, text) tuples; the first position has no logprob.
+        return [
+            from_entries(
+                [
+                    None if lp is None else {token: lp} | {t: v for v, t, _ in top}
+                    for (lp, token, _), top in zip(
+                        o["meta_info"]["input_token_logprobs"],
+                        o["meta_info"]["input_top_logprobs"],
+                    )
+                ],
+                s,
+            )
+            for o, s in zip(outputs, streams)
+        ]
+
     @contextmanager
     def trace(self, stem: Path) -> Iterator[list[Path]]:
         """SGLang's scheduler process records the trace (its profiling requests)."""
@@ -143,7 +189,38 @@ class SglangEngine:
         self.engine.shutdown()
 
 
-HOSTS = {"atom": AtomEngine, "vllm": VllmEngine, "sglang": SglangEngine}
+class HfEngine:
+    """HF transformers, the reference of `atom bench check`: one forward per stream."""
+
+    def __init__(self, job: dict):
+        import torch
+        import transformers
+
+        self.device = job["device"]
+        # Loaded on the CPU, then moved: a device_map would need `accelerate`.
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            job["model"], dtype=getattr(torch, job_dtype(job))
+        )
+        self.model.to(self.device).eval()
+
+    def prompt_logprobs(self, streams: list[list[int]], k: int) -> list[list[Position]]:
+        import torch
+
+        positions = []
+        with torch.inference_mode():
+            for stream in streams:
+                ids = torch.tensor([stream], device=self.device)
+                logits = self.model(ids).logits[0, :-1].float()
+                positions.append(from_logprobs(logits.log_softmax(-1), stream, k))
+        return positions
+
+
+HOSTS = {
+    "atom": AtomEngine,
+    "vllm": VllmEngine,
+    "sglang": SglangEngine,
+    "hf": HfEngine,
+}
 
 
 def timed_run(engine, job: dict, workload: Workload, seed: int, traced: bool) -> dict:
@@ -181,6 +258,17 @@ def run(job: dict) -> None:
     started = time.perf_counter()
     engine = HOSTS[job["host"]](job)
     emit("ready", init_s=time.perf_counter() - started)
+    if "streams" in job:  # atom bench check: teacher-forced logprobs, no timing
+        emit("start", workload="teacher-forced streams")
+        positions = engine.prompt_logprobs(job["streams"], job["top_k"])
+        emit("logprobs", streams=to_json(positions))
+    else:
+        run_workloads(engine, job)
+    if hasattr(engine, "close"):
+        engine.close()
+
+
+def run_workloads(engine, job: dict) -> None:
     repeats = job["repeats"]
     for spec in job["workloads"]:
         workload = Workload(**spec)
@@ -205,8 +293,6 @@ def run(job: dict) -> None:
         if hasattr(engine, "kv_report"):
             result |= engine.kv_report(workload.input_len + workload.output_len)
         emit("result", workload=workload.name, **result)
-    if hasattr(engine, "close"):
-        engine.close()
 
 
 def main() -> None:

@@ -80,7 +80,7 @@ def engine_env(spec: EngineSpec, host_paths: dict[str, str | None], work: Path) 
     (entry-point shim on the path) or off (the plugin's disable variable)."""
     env = dict(os.environ)
     prefix = []
-    if spec.host != "atom":
+    if spec.host in PLUGINS:
         if host_paths.get(spec.host):
             prefix.append(host_paths[spec.host])
         plugin = PLUGINS[spec.host]

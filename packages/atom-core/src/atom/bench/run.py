@@ -29,17 +29,7 @@ HEARTBEAT_S = 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--engines",
-        default=DEFAULT_ENGINES,
-        help=f"comma-separated, from: {', '.join(ENGINES)} (default: {DEFAULT_ENGINES})",
-    )
-    parser.add_argument(
-        "--shapes",
-        default=DEFAULT_SHAPES,
-        help=f"checkpoint shapes, from: {', '.join(SHAPES)}; NAME:LAYERS sets the depth "
-        f"(default: {DEFAULT_SHAPES})",
-    )
+    add_engine_arguments(parser, DEFAULT_ENGINES, DEFAULT_SHAPES, "bench-results")
     parser.add_argument(
         "--workloads",
         default=DEFAULT_WORKLOADS,
@@ -53,16 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "its own kernels",
     )
     parser.add_argument("--baseline", help="engine the ratios divide by (default: vllm if run)")
-    parser.add_argument("--vllm-path", help="prepended to PYTHONPATH of vLLM runs")
-    parser.add_argument("--sglang-path", help="prepended to PYTHONPATH of SGLang runs")
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (ATOM only)")
     parser.add_argument(
         "--max-model-len",
         type=int,
         help="default: 2048 (less if a shape has fewer positions), or the longest workload",
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument(
         "--rounds",
         type=int,
@@ -79,7 +64,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "slower middle one for even counts; with --profile, of the runs after the traced "
         "first). Short workloads such as 1x128->256 vary by 10-20%% from run to run",
     )
-    parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="record a torch-profiler trace of each workload's first timed run and write a "
+        "kernel/idle summary next to it in OUT/profiles (slows that run; use short workloads)",
+    )
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, engines: str, shapes: str, out: str
+) -> None:
+    """The options `atom bench` and `atom bench check` share: what runs, where, and how."""
+    parser.add_argument(
+        "--engines",
+        default=engines,
+        help=f"comma-separated, from: {', '.join(ENGINES)} (default: {engines})",
+    )
+    parser.add_argument(
+        "--shapes",
+        default=shapes,
+        help=f"checkpoint shapes, from: {', '.join(SHAPES)}; NAME:LAYERS sets the depth "
+        f"(default: {shapes})",
+    )
+    parser.add_argument("--vllm-path", help="prepended to PYTHONPATH of vLLM runs")
+    parser.add_argument("--sglang-path", help="prepended to PYTHONPATH of SGLang runs")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (ATOM only)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--out", default=out, help=f"folder for the results (default: {out})")
     parser.add_argument(
         "--work",
         default=str(Path.home() / ".cache" / "atom-bench"),
@@ -89,12 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--delete-checkpoints",
         action="store_true",
         help="delete each shape's checkpoint after its runs (for small disks)",
-    )
-    parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="record a torch-profiler trace of each workload's first timed run and write a "
-        "kernel/idle summary next to it in OUT/profiles (slows that run; use short workloads)",
     )
     parser.add_argument(
         "--timeout", type=float, default=3600, help="seconds per engine and shape (default 3600)"
@@ -122,7 +129,7 @@ def _options(items: list[str]) -> dict:
     return options
 
 
-class _Clock:
+class Clock:
     def __init__(self):
         self.start = time.monotonic()
 
@@ -131,7 +138,7 @@ class _Clock:
         print(f"[{minutes:3d}:{seconds:02d}] {message}", flush=True)
 
 
-def ensure_checkpoint(shape: Shape, work: Path, clock: _Clock) -> Path:
+def ensure_checkpoint(shape: Shape, work: Path, clock: Clock) -> Path:
     folder = shape.cache_folder(work / "checkpoints")
     if (folder / "config.json").exists():
         return folder
@@ -164,38 +171,20 @@ def _reader(stream, lines: queue.Queue) -> None:
 
 
 def run_engine(
-    spec: EngineSpec, shape: Shape, folder: Path, args, clock: _Clock, round_index: int = 0
+    spec: EngineSpec, shape: Shape, folder: Path, args, clock: Clock, round_index: int = 0
 ) -> list[dict]:
     """Runs one engine over all workloads in a subprocess; one result dict per workload."""
-    work = Path(args.work)
     tag = f"{shape.name.replace(':', '-L')}.{spec.name}"
     if args.rounds > 1:
         tag += f".round{round_index + 1}"
-    job_file = work / "jobs" / f"{tag}.json"
-    job_file.parent.mkdir(parents=True, exist_ok=True)
-    options = args.host_options[spec.host]
-    job_file.write_text(
-        json.dumps(
-            dict(
-                host=spec.host,
-                plugin=spec.plugin is not None,
-                model=str(folder),
-                device=args.device,
-                max_model_len=args.max_model_len,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                vocab_size=shape.vocab_size,
-                seed=args.seed,
-                repeats=args.repeats,
-                workloads=[asdict(w) for w in args.workload_list],
-                options=options,
-                tag=tag,
-                profile_dir=str(Path(args.out).resolve() / "profiles") if args.profile else None,
-            )
-        )
+    job = dict(
+        max_model_len=args.max_model_len,
+        vocab_size=shape.vocab_size,
+        repeats=args.repeats,
+        workloads=[asdict(w) for w in args.workload_list],
+        profile_dir=str(Path(args.out).resolve() / "profiles") if args.profile else None,
     )
-    log_path = work / "logs" / f"{tag}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = engine_env(spec, {"vllm": args.vllm_path, "sglang": args.sglang_path}, work)
+    job_file, env, log_path = write_job(spec, folder, job, tag, args)
     if args.profile:
         (Path(args.out) / "profiles").mkdir(parents=True, exist_ok=True)
         # The profiler in the driver sees vLLM's model only with its engine core in-process.
@@ -206,10 +195,84 @@ def run_engine(
     where = f"{shape.name} / {spec.name}" + (
         f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
     )
-    clock.say(f"{where}: starting ({spec.description}); log: {log_path}")
     results: dict[str, dict] = {}
     # Engine-independent numerators of GB/s, one per workload (atom.bench.traffic).
     moved = {w.name: bytes_moved(shape, w, element_bytes(args.device)) for w in args.workload_list}
+
+    def on_event(event: dict) -> None:
+        if event["event"] == "profile":
+            clock.say(f"{where}: {event['workload']}: profile summary {event['report']}")
+            print(Path(event["report"]).read_text(), flush=True)
+        elif event["event"] == "result":
+            add_bandwidth(event, moved[event["workload"]])
+            results[event["workload"]] = event
+            runs = event["output_tok_s_runs"]
+            spread = (
+                f"; median of {len(runs)}, {min(runs):,.1f}-{max(runs):,.1f}"
+                if len(runs) > 1
+                else ""
+            )
+            gb_s = f", {event['gb_s']:,.2f} GB/s" if "gb_s" in event else ""
+            clock.say(
+                f"{where}: {event['workload']}: {event['output_tok_s']:,.1f} output tok/s"
+                f"{gb_s} ({event['time_s']:.2f} s{spread})"
+            )
+            if "kv_bytes_per_token" in event:
+                clock.say(f"{where}: {event['workload']}: {kv_saving_line(event)}")
+
+    clock.say(f"{where}: starting ({spec.description}); log: {log_path}")
+    returncode = drive(job_file, env, log_path, where, clock, args.timeout, on_event)
+    if returncode and len(results) < len(args.workload_list):
+        tail = log_path.read_text()[-2000:]
+        clock.say(f"{where}: FAILED (exit {returncode}); end of its log:\n{tail}")
+    rows = []
+    for w in args.workload_list:
+        row = dict(
+            shape=shape.name,
+            engine=spec.name,
+            workload=w.name,
+            num_prompts=w.num_prompts,
+            input_len=w.input_len,
+            output_len=w.output_len,
+        )
+        if w.name in results:
+            row.update({k: v for k, v in results[w.name].items() if k not in ("event", "workload")})
+        else:
+            row["error"] = f"no result; see {log_path}"
+        rows.append(row)
+    return rows
+
+
+def write_job(spec: EngineSpec, folder: Path, job: dict, tag: str, args) -> tuple[Path, dict, Path]:
+    """The driver's job file for `spec` on the checkpoint `folder` (the shared settings of
+    `add_engine_arguments` added to `job`), its environment and its log's path."""
+    work = Path(args.work)
+    job_file = work / "jobs" / f"{tag}.json"
+    job_file.parent.mkdir(parents=True, exist_ok=True)
+    job = dict(
+        host=spec.host,
+        plugin=spec.plugin is not None,
+        model=str(folder),
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+        options=args.host_options.get(spec.host, {}),
+        tag=tag,
+        **job,
+    )
+    job_file.write_text(json.dumps(job))
+    log_path = work / "logs" / f"{tag}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = engine_env(spec, {"vllm": args.vllm_path, "sglang": args.sglang_path}, work)
+    return job_file, env, log_path
+
+
+def drive(
+    job_file: Path, env: dict, log_path: Path, where: str, clock: Clock, timeout: float, on_event
+) -> int:
+    """Runs `atom.bench.driver` on `job_file` in its own process group, shows its progress
+    (ready, the step it is on, a heartbeat), hands every other event to `on_event`, and
+    returns its exit status (-9 when it ran past `timeout` seconds)."""
     started = time.monotonic()
     current, current_since = "loading", started
     with open(log_path, "w") as log:
@@ -239,58 +302,23 @@ def run_engine(
                 elif event["event"] == "start":
                     current, current_since = event["workload"], now
                     clock.say(f"{where}: running {current}")
-                elif event["event"] == "profile":
-                    clock.say(f"{where}: {event['workload']}: profile summary {event['report']}")
-                    print(Path(event["report"]).read_text(), flush=True)
-                elif event["event"] == "result":
-                    add_bandwidth(event, moved[event["workload"]])
-                    results[event["workload"]] = event
-                    runs = event["output_tok_s_runs"]
-                    spread = (
-                        f"; median of {len(runs)}, {min(runs):,.1f}-{max(runs):,.1f}"
-                        if len(runs) > 1
-                        else ""
-                    )
-                    gb_s = f", {event['gb_s']:,.2f} GB/s" if "gb_s" in event else ""
-                    clock.say(
-                        f"{where}: {event['workload']}: {event['output_tok_s']:,.1f} output tok/s"
-                        f"{gb_s} ({event['time_s']:.2f} s{spread})"
-                    )
-                    if "kv_bytes_per_token" in event:
-                        clock.say(f"{where}: {event['workload']}: {kv_saving_line(event)}")
+                else:
+                    on_event(event)
             elif line:
                 log.write(line)
             if now - last_beat >= HEARTBEAT_S:
                 clock.say(f"{where}: still {current} ({now - current_since:.0f} s)")
                 last_beat = now
-            if now - started > args.timeout:
+            if now - started > timeout:
                 os.killpg(proc.pid, signal.SIGKILL)
-                clock.say(f"{where}: timed out after {args.timeout:.0f} s")
+                clock.say(f"{where}: timed out after {timeout:.0f} s")
                 break
         returncode = proc.wait()
     # Workers an engine leaves behind (compile pools, engine cores) would share the
     # machine with the next engine and skew its figures.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    if returncode and len(results) < len(args.workload_list):
-        tail = log_path.read_text()[-2000:]
-        clock.say(f"{where}: FAILED (exit {returncode}); end of its log:\n{tail}")
-    rows = []
-    for w in args.workload_list:
-        row = dict(
-            shape=shape.name,
-            engine=spec.name,
-            workload=w.name,
-            num_prompts=w.num_prompts,
-            input_len=w.input_len,
-            output_len=w.output_len,
-        )
-        if w.name in results:
-            row.update({k: v for k, v in results[w.name].items() if k not in ("event", "workload")})
-        else:
-            row["error"] = f"no result; see {log_path}"
-        rows.append(row)
-    return rows
+    return returncode
 
 
 def kv_saving_line(event: dict) -> str:
@@ -324,12 +352,17 @@ def resolve(args: argparse.Namespace) -> None:
         limit = shape.fields["max_position_embeddings"]
         if args.max_model_len > limit:
             raise BenchError(f"--max-model-len exceeds {shape.name}'s {limit} positions")
-    if args.device not in ("cuda", "cpu"):
-        raise BenchError(f"--device {args.device!r}: use cuda or cpu")
     if args.rounds < 1:
         raise BenchError(f"--rounds {args.rounds}: run the engines at least once")
     if args.repeats < 1:
         raise BenchError(f"--repeats {args.repeats}: run each workload at least once")
+    resolve_hosts(args)
+
+
+def resolve_hosts(args: argparse.Namespace) -> None:
+    """Checks the shared options of `add_engine_arguments` and parses the engine options."""
+    if args.device not in ("cuda", "cpu"):
+        raise BenchError(f"--device {args.device!r}: use cuda or cpu")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise BenchError("--gpu-memory-utilization must be in (0, 1]")
     hosts = {e.host for e in args.engine_list}
@@ -347,7 +380,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    clock = _Clock()
+    clock = Clock()
     results: list[dict] = []
     for shape in args.shape_list:
         folder = ensure_checkpoint(shape, work, clock)

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from atom.bench.engines import EngineSpec, engine_env, parse_engines
-from atom.bench.run import _Clock, ensure_checkpoint
+from atom.bench.run import Clock, ensure_checkpoint
 from atom.bench.serve.report import write_results
 from atom.bench.serve.run import make_sweep, publish
 from atom.bench.serve.servers import ServerSettings, free_port, running_process, server_command
@@ -56,7 +56,7 @@ def resolve(args: argparse.Namespace) -> None:
 
 
 def run_engine(
-    spec: EngineSpec, shape: Shape, folder: Path, args: argparse.Namespace, clock: _Clock
+    spec: EngineSpec, shape: Shape, folder: Path, args: argparse.Namespace, clock: Clock
 ) -> list[dict]:
     """One engine's server on one checkpoint through the whole sweep; [] if it failed."""
     work = Path(args.work)
@@ -92,7 +92,7 @@ def run_engine(
 def main(args: argparse.Namespace) -> list[dict]:
     resolve(args)
     work = Path(args.work)
-    clock = _Clock()
+    clock = Clock()
     rows: list[dict] = []
     failed: list[str] = []
     for shape in args.shape_list:
