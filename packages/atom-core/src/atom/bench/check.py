@@ -157,13 +157,15 @@ def main(args: argparse.Namespace) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     clock = Clock()
     rows: list[dict] = []
+    settings = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool)}
     for shape in args.shape_list:
         folder = ensure_checkpoint(shape, work, clock)
-        rows += check_shape(shape, folder, args, clock)
+        shape_rows = check_shape(shape, folder, args, clock)
+        print(format_rows(shape_rows), flush=True)
+        rows += shape_rows
+        # Written after every shape: a long run that is cut off keeps what it measured.
+        (out / "check.json").write_text(json.dumps(dict(settings=settings, rows=rows), indent=1))
         if args.delete_checkpoints:
             shutil.rmtree(folder)
-    settings = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool)}
-    (out / "check.json").write_text(json.dumps(dict(settings=settings, rows=rows), indent=1))
-    print(format_rows(rows), flush=True)
-    print(f"results: {out / 'check.json'}", flush=True)
+    print(f"all shapes:\n{format_rows(rows)}\nresults: {out / 'check.json'}", flush=True)
     return rows
