@@ -44,18 +44,21 @@ def test_compare_counts_top1_decisive_positions_and_the_worst_difference():
     m = compare(got, want)
     assert m["positions"] == 3 and m["top1_agreement"] == pytest.approx(1 / 3)
     # Position 0 is a near tie (0.05 apart): not decisive, so its flip does not count there.
-    assert m["decisive_positions"] == 1 and m["decisive_agreement"] == 1.0
+    assert m["decisive_positions"] == 1 and m["decisive_flips"] == 0
     assert m["mean_abs_diff"] == pytest.approx(0.2) and m["max_abs_diff"] == pytest.approx(0.5)
     assert m["worst_position"] == [0, 1]
 
 
 def test_verdict_bounds_come_from_the_floor():
-    good = dict(mean_abs_diff=0.05, top1_agreement=0.94, decisive_agreement=1.0)
+    good = dict(mean_abs_diff=0.05, top1_agreement=0.94, decisive_positions=100, decisive_flips=0)
     floor = dict(mean_abs_diff=0.03, top1_agreement=0.95)
     assert verdict(good, floor, noise_sources=1)[0]  # 0.05 <= 2 * 0.03 + 0.01
     assert not verdict(good | dict(mean_abs_diff=0.08), floor, noise_sources=1)[0]
     assert verdict(good | dict(mean_abs_diff=0.08), floor, noise_sources=2)[0]
-    assert not verdict(good | dict(decisive_agreement=0.9), floor, noise_sources=2)[0]
+    # Decisive flips: one, plus 2% of the decisive positions.
+    assert verdict(good | dict(decisive_flips=3), floor, noise_sources=2)[0]
+    assert not verdict(good | dict(decisive_flips=4), floor, noise_sources=2)[0]
+    assert verdict(good | dict(decisive_positions=3, decisive_flips=1), floor, 1)[0]
     # top-1 bound: 1 - 0.05 per rounding side - 0.02
     assert not verdict(good | dict(top1_agreement=0.92), floor, noise_sources=1)[0]
     assert verdict(good | dict(top1_agreement=0.92), floor, noise_sources=2)[0]
