@@ -21,7 +21,8 @@ from atom.bench.teacher_forcing import (
 )
 from atom.bench.workloads import Workload, make_prompts
 from atom.cli import main
-from atom.testing import tiny_config, write_checkpoint
+from atom.registry import all_models
+from atom.testing import VOCAB, tiny_config, write_checkpoint
 
 
 def test_from_entries_aligns_each_position_with_the_next_token():
@@ -74,13 +75,24 @@ def qwen3_checkpoint(tmp_path_factory):
     return write_checkpoint(tiny_config("Qwen3ForCausalLM"), folder, init_std=0.1)
 
 
-def _teacher_forced(checkpoint) -> tuple[dict, dict]:
-    """ATOM's and HF's teacher-forced logprobs (float32, CPU) on two 48-token streams."""
-    job = dict(model=str(checkpoint), device="cpu", max_model_len=64, options={})
-    streams = make_prompts(Workload(2, 48, 1), 256, seed=0)
+def _teacher_forced(checkpoint, stream_len: int = 48) -> tuple[dict, tuple[bool, str]]:
+    """ATOM's engine against HF, teacher-forced in float32 on the CPU (two streams)."""
+    job = dict(model=str(checkpoint), device="cpu", max_model_len=stream_len + 1, options={})
+    streams = make_prompts(Workload(2, stream_len, 1), VOCAB, seed=0)
     want = HfEngine(job).prompt_logprobs(streams, 4)
     got = AtomEngine(job).prompt_logprobs(streams, 4)
-    return compare(got, want), verdict(compare(got, want), None, noise_sources=1)
+    metrics = compare(got, want)
+    return metrics, verdict(metrics, None, noise_sources=1)
+
+
+@pytest.mark.parametrize("entry", all_models(), ids=lambda entry: entry.architecture)
+def test_every_family_passes_the_check_on_the_cpu(tmp_path, entry):
+    """The check `atom bench check` runs on the GPU, here in float32 for every registered
+    architecture: ATOM's engine (prompt logprobs through paged KV) against HF's forward.
+    The streams run past tiny-gpt-oss's 16-token window."""
+    folder = write_checkpoint(tiny_config(entry.architecture), tmp_path, init_std=0.1)
+    metrics, (ok, bound) = _teacher_forced(folder, stream_len=40)
+    assert ok, (metrics, bound)
 
 
 def test_atom_passes_against_hf(qwen3_checkpoint):
