@@ -64,10 +64,11 @@ def resolve(args: argparse.Namespace) -> None:
     if args.top_k < 2:
         raise BenchError(f"--top-k {args.top_k}: the decisive margin needs the best 2 tokens")
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    args.max_model_len = args.stream_shape.input_len + 1
-    for shape in args.shape_list:
-        if args.max_model_len > shape.fields["max_position_embeddings"]:
-            raise BenchError(f"--streams {args.streams} exceed {shape.name}'s positions")
+    positions = min(s.fields["max_position_embeddings"] for s in args.shape_list)
+    if args.stream_shape.input_len + 1 > positions:
+        raise BenchError(f"--streams {args.streams}: a shape has only {positions} positions")
+    # SGLang keeps a few positions of its context length for the output.
+    args.max_model_len = min(args.stream_shape.input_len + 64, positions)
     resolve_hosts(args)
 
 

@@ -137,6 +137,7 @@ class SglangEngine:
         defaults = dict(
             attention_backend=backend,
             sampling_backend="pytorch",
+            dtype=job_dtype(job),
             skip_tokenizer_init=True,
             mem_fraction_static=job["gpu_memory_utilization"],
             context_length=job["max_model_len"],
@@ -159,11 +160,12 @@ class SglangEngine:
             logprob_start_len=0,
             top_logprobs_num=k,
         )
-        # Both lists hold (logprob, token, text) tuples; the first position has no logprob.
+        # (logprob, token, text) tuples; the first position has no logprob, and positions
+        # may lack their top list.
         return [
             from_entries(
                 [
-                    None if lp is None else {token: lp} | {t: v for v, t, _ in top}
+                    None if lp is None else {token: lp} | {t: v for v, t, _ in top or ()}
                     for (lp, token, _), top in zip(
                         o["meta_info"]["input_token_logprobs"],
                         o["meta_info"]["input_top_logprobs"],

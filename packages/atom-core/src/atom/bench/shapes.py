@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from atom.bench.workloads import BenchError
-from atom.testing import tiny_fields
+from atom.registry import all_models
+from atom.testing import config_class_name, tiny_fields
 
 DEFAULT_SHAPES = "qwen3-0.6b,qwen3-8b,qwen3-30b-a3b:24"
 
@@ -300,6 +301,19 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
+}
+
+# A tiny shape of every registered causal LM (atom.testing's configs, the host suites'):
+# `atom bench check --device cpu` runs each family through every host with them.
+SHAPES |= {
+    f"tiny-{entry.architecture}": Shape(
+        f"tiny-{entry.architecture}",
+        config_class_name(entry.architecture),
+        entry.architecture,
+        tiny_fields(entry.architecture),
+    )
+    for entry in all_models()
+    if entry.architecture.endswith("ForCausalLM")
 }
 
 
