@@ -27,7 +27,7 @@ from atom.bench.run import (
     resolve_hosts,
     write_job,
 )
-from atom.bench.shapes import parse_shapes
+from atom.bench.shapes import Shape, parse_shapes
 from atom.bench.teacher_forcing import compare, decisive_margin, from_json, verdict
 from atom.bench.workloads import BenchError, make_prompts, parse_workloads
 
@@ -72,7 +72,9 @@ def resolve(args: argparse.Namespace) -> None:
     resolve_hosts(args)
 
 
-def engine_logprobs(spec: EngineSpec, shape, folder: Path, dtype: str, name: str, args, clock):
+def engine_logprobs(
+    spec: EngineSpec, shape: Shape, folder: Path, dtype: str, name: str, args, clock: Clock
+):
     """Runs `spec` on the shape's streams in its own process; its positions, or None."""
     streams = make_prompts(args.stream_shape, shape.vocab_size, args.seed)
     job = dict(dtype=dtype, max_model_len=args.max_model_len, streams=streams, top_k=args.top_k)
@@ -92,7 +94,7 @@ def engine_logprobs(spec: EngineSpec, shape, folder: Path, dtype: str, name: str
     return got[0]
 
 
-def check_shape(shape, folder: Path, args, clock: Clock) -> list[dict]:
+def check_shape(shape: Shape, folder: Path, args, clock: Clock) -> list[dict]:
     """Every engine's rows for one shape: against float32 HF, and against its host's model."""
     reference = engine_logprobs(HF, shape, folder, "float32", "hf-float32", args, clock)
     if reference is None:
