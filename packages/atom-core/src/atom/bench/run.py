@@ -89,7 +89,9 @@ def add_engine_arguments(
     )
     parser.add_argument("--vllm-path", help="prepended to PYTHONPATH of vLLM runs")
     parser.add_argument("--sglang-path", help="prepended to PYTHONPATH of SGLang runs")
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (ATOM only)")
+    parser.add_argument(
+        "--device", default="cuda", help="cuda (default) or cpu (ATOM, or a host's CPU build)"
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--out", default=out, help=f"folder for the results (default: {out})")
