@@ -1,4 +1,5 @@
-"""The monorepo's own tooling: the atom-core pin check and the generated models page."""
+"""The monorepo's own tooling: the atom-core pin check and the docs generated from the code
+(docs/models.md and the README's "What runs where", written by docs/gen_models.py)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,30 @@ def test_models_page_lists_every_registered_architecture():
     page = load("docs/gen_models.py").render()
     for entry in all_models():
         assert f"`{entry.architecture}`" in page
+
+
+def test_readme_hosts_table_names_every_host_of_every_architecture():
+    table = load("docs/gen_models.py").render_hosts().splitlines()
+    for entry in all_models():
+        (row,) = [line for line in table if f"`{entry.architecture}`" in line]
+        assert row.count("| yes ") == len(entry.hosts), row
+
+
+def test_checked_in_docs_are_what_the_registry_generates():
+    """Run `python docs/gen_models.py` after changing atom.registry."""
+    generator = load("docs/gen_models.py")
+    assert (ROOT / "docs" / "models.md").read_text() == generator.render()
+    readme = (ROOT / "README.md").read_text()
+    assert readme == generator.readme_with_hosts(readme)
+
+
+def test_readme_layout_names_every_atom_subpackage():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout") :]
+    atom_dir = ROOT / "packages" / "atom-core" / "src" / "atom"
+    for folder in sorted(d.name for d in atom_dir.iterdir() if d.is_dir()):
+        if not folder.startswith("__"):
+            assert f" {folder}/ " in layout, folder
 
 
 def test_declared_transformers_range_is_tested_at_both_ends():
