@@ -130,7 +130,7 @@ def build(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     install_core(session)
     session.install("mkdocs")
-    session.run("python", "docs/gen_models.py", "docs/models.md")
+    session.run("python", "docs/gen_models.py")  # docs/models.md and the README's table
     session.run("python", "docs/gen_plugin_pages.py", "docs/plugins")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
 

@@ -21,8 +21,8 @@ both sides use fp32 here. Pool row 0 is vLLM's null block, so sequences use rows
 Rows: conv, rule (everything after the conv) and core (both), per case. Before timing, the
 outputs and final states of every side are compared with ATOM's (and with ATOM's torch
 reference for sequences up to 4096 tokens). Decode steps are timed as CUDA-graph replays,
-as engines run them (eagerly, a one-sequence step times the host's launches: on an H100
-ATOM's rule took 114 us eagerly at batch 1). ATOM and the peers take turns over five rounds;
+as engines run them (eagerly, a one-sequence step times the host's launches:
+docs/performance.md, "Gated delta chunk launches"). ATOM and the peers take turns over five rounds;
 ratio = peer / ATOM (above 1: ATOM faster). Decode rows give ATOM's GB/s (recurrent and conv
 state read + write, activations) against the H100's peak. Usage:
     PYTHONPATH=packages/atom-core/src:. python benchmarks/gated_delta.py [--json out.json]

@@ -74,7 +74,8 @@ def fa3_paged_attention():
 def side_by_side(row: dict, atom_fn, fa3, q, k, v, md, rounds: int = 5) -> dict:
     """Times ATOM (row["ms"]) and, where vLLM is importable, FA3 on the same inputs
     (fa3_ms, vs_fa3 = FA3 time / ATOM time; 1.0: parity). The two alternate over `rounds`
-    and each gets its median: an H200's clock drifts by ~10% between back-to-back runs."""
+    and each gets its median: a GPU's clock drifts between back-to-back runs
+    (docs/performance.md, "GPU clock drift")."""
     if fa3 is None:
         row["ms"] = bench(atom_fn)
         return row

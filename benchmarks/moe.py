@@ -8,8 +8,8 @@ of the H100 peak; vLLM's Triton fused_experts on the same inputs when vllm is im
 in shared/anchors/moe_anchor.py). For MXFP4 the peer is vLLM's GPT-OSS MXFP4 path on Hopper
 (triton_kernels' matmul_ogs, "TRITON" backend), which routes inside its call: both sides
 are timed from the router logits (ATOM: topk_softmax, then fused_moe_mxfp4). ATOM and vLLM
-take turns over five rounds (medians, and the median of the rounds' ratios): back-to-back
-runs drifted by up to 15%. Usage:
+take turns over five rounds (medians, and the median of the rounds' ratios), because the
+GPU's clock drifts between back-to-back runs (docs/performance.md, "GPU clock drift"). Usage:
     PYTHONPATH=packages/atom-core/src:. python benchmarks/moe.py [--tokens 1 64]
         [--formats bf16] [--sweep [--workers 16]] [--json out.json]
 --sweep also searches the tiles per row (benchmarks/moe_sweep.py; not MXFP4); the best

@@ -1,7 +1,7 @@
-"""GPU timing that holds up when the clock drifts: an H200 ran the same kernel up to 15%
-faster or slower from one back-to-back run to the next, so kernels compared one after the
-other can differ by that much. Kernels compared here take turns over several rounds, and
-each round's ratio cancels that round's clock."""
+"""GPU timing that holds up when the clock drifts: the same kernel runs faster or slower
+from one back-to-back run to the next (docs/performance.md, "GPU clock drift"), so kernels
+compared one after the other can differ by more than the change being measured. Kernels compared here take turns
+over several rounds, and each round's ratio cancels that round's clock."""
 
 from __future__ import annotations
 

@@ -245,7 +245,8 @@ def measure(name: str, w: QuantizedWeight, weight, atom, vllm_gemms: dict, m: in
             f"largest element (bf16 tolerance {TOLERANCE})"
         )
     # Timed as CUDA-graph replays, as a decode step runs them: launched one by one, a
-    # 15-40 us GEMM times the host's launch overhead as much as the kernel.
+    # small-M GEMM times the host's launch overhead as much as the kernel
+    # (docs/performance.md, "W4A16 small-M launch").
     runs = {"atom": graphed(partial(atom, x))}
     for peer, gemm in vllm_gemms.items():
         try:

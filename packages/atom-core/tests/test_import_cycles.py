@@ -6,11 +6,16 @@ is built from the sources with `ast`: an edge a -> b for every import that runs 
 is loaded (module body, class bodies, `if`/`try`/`with` blocks), not for imports inside
 functions (they run later, once every module is loaded) or under `if TYPE_CHECKING:`.
 `from p import x` points at the module p.x where x is a submodule, else at p.
+
+An import inside a function is there to load an optional heavy dependency late (the server
+extra, matplotlib, Triton), never to dodge a circle: counted as edges too, with the
+`importlib.import_module("x")` calls, they close no circle in `atom` either.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -63,6 +68,31 @@ def load_time_imports(body: list[ast.stmt]):
                     )
 
 
+def _constant_import_call(node: ast.AST) -> str | None:
+    """x of `importlib.import_module("x")` / `__import__("x")` (absolute names only)."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = getattr(node.func, "attr", getattr(node.func, "id", ""))
+    name = node.args[0].value if isinstance(node.args[0], ast.Constant) else None
+    if func in ("import_module", "__import__") and isinstance(name, str):
+        return None if name.startswith(".") else name
+    return None
+
+
+def every_import(nodes: Iterable[ast.AST]):
+    """The imports under `nodes` that may ever run: at load time, inside functions, and
+    `import_module("x")` calls (as `import x`); not those under `if TYPE_CHECKING:`."""
+    for node in nodes:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from every_import(node.orelse)
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif name := _constant_import_call(node):
+            yield ast.Import(names=[ast.alias(name=name)])
+        yield from every_import(ast.iter_child_nodes(node))
+
+
 def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
@@ -71,8 +101,9 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
-def import_graph(sources: Sources) -> dict[str, set[str]]:
-    """module -> the modules of the same set it imports at load time."""
+def import_graph(sources: Sources, imports=load_time_imports) -> dict[str, set[str]]:
+    """module -> the modules of the same set it imports at load time (or as `imports`
+    finds them in the module's body)."""
 
     def known(name: str) -> str | None:
         while name and name not in sources:
@@ -82,7 +113,7 @@ def import_graph(sources: Sources) -> dict[str, set[str]]:
     graph = {}
     for module, (source, is_package) in sources.items():
         targets = set()
-        for node in load_time_imports(ast.parse(source).body):
+        for node in imports(ast.parse(source).body):
             if isinstance(node, ast.Import):
                 targets.update(known(alias.name) for alias in node.names)
             else:
@@ -149,18 +180,24 @@ def test_no_import_cycles(package):
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
-def _cycles(modules: dict[str, str]) -> list[list[str]]:
+def test_no_deferred_import_closes_a_circle():
+    graph = import_graph(package_sources(PACKAGES["atom"]), every_import)
+    cycles = import_cycles(graph)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _cycles(modules: dict[str, str], imports=load_time_imports) -> list[list[str]]:
     """Circles among modules given by name and source; a name that others lie under is a
     package (its source is the __init__)."""
     sources = {
         name: (source, any(other.startswith(f"{name}.") for other in modules))
         for name, source in modules.items()
     }
-    return import_cycles(import_graph(sources))
+    return import_cycles(import_graph(sources, imports))
 
 
-def _pair(a: str, b: str = "import p.a") -> list[list[str]]:
-    return _cycles({"p": "", "p.a": a, "p.b": b})
+def _pair(a: str, b: str = "import p.a", imports=load_time_imports) -> list[list[str]]:
+    return _cycles({"p": "", "p.a": a, "p.b": b}, imports)
 
 
 def test_finds_circles_of_every_import_form():
@@ -200,3 +237,19 @@ def test_ignores_imports_that_do_not_run_at_load_time():
         assert not _pair(block), block
     # modules outside the set (the standard library, torch, other packages) are no edges
     assert not _cycles({"p": "", "p.a": "import os\nimport torch\nimport q.a\nimport p"})
+
+
+def test_counting_deferred_imports_finds_the_circles_they_dodge():
+    for block in (
+        "def f():\n    import p.b",
+        "class C:\n    def f(self):\n        from p import b",
+        "def f():\n    if True:\n        from .b import g",
+        "import importlib\ndef f():\n    importlib.import_module('p.b')",
+        "def f():\n    __import__('p.b')",
+    ):
+        assert _pair(block, imports=every_import), block
+    for block in (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import p.b",
+        "def f():\n    import torch\n    import importlib\n    importlib.import_module(name)",
+    ):
+        assert not _pair(block, imports=every_import), block

@@ -1,8 +1,14 @@
-"""The monorepo's own tooling: the atom-core pin check and the generated models page."""
+"""The monorepo's own tooling: the atom-core pin check, the docs generated from the code
+(docs/models.md and the README's "What runs where", written by docs/gen_models.py) and the
+code's pointers into docs/performance.md."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -56,6 +62,30 @@ def test_models_page_lists_every_registered_architecture():
         assert f"`{entry.architecture}`" in page
 
 
+def test_readme_hosts_table_names_every_host_of_every_architecture():
+    table = load("docs/gen_models.py").render_hosts().splitlines()
+    for entry in all_models():
+        (row,) = [line for line in table if f"`{entry.architecture}`" in line]
+        assert row.count("| yes ") == len(entry.hosts), row
+
+
+def test_checked_in_docs_are_what_the_registry_generates():
+    """Run `python docs/gen_models.py` after changing atom.registry."""
+    generator = load("docs/gen_models.py")
+    assert (ROOT / "docs" / "models.md").read_text() == generator.render()
+    readme = (ROOT / "README.md").read_text()
+    assert readme == generator.readme_with_hosts(readme)
+
+
+def test_readme_layout_names_every_atom_subpackage():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout") :]
+    atom_dir = ROOT / "packages" / "atom-core" / "src" / "atom"
+    for folder in sorted(d.name for d in atom_dir.iterdir() if d.is_dir()):
+        if not folder.startswith("__"):
+            assert f" {folder}/ " in layout, folder
+
+
 def test_declared_transformers_range_is_tested_at_both_ends():
     """atom-core's transformers range starts at the lowest version `nox -s tests` runs and
     stops before the minor after the highest one, so no untested release is allowed."""
@@ -94,3 +124,50 @@ def test_every_package_declares_the_same_python():
         for path in sorted((ROOT / "packages").glob("*/pyproject.toml"))
     }
     assert len(declared) == 3 and len(set(declared.values())) == 1, declared
+
+
+# `docs/performance.md, "Section"`, also broken over comment or docstring lines.
+PERFORMANCE_POINTER = re.compile(r'docs/performance\.md, "([^"]+)"')
+
+
+# A measured figure (a time, a rate) or a date: what docs/performance.md holds, not code.
+BENCHMARK_FIGURE = re.compile(r"\d ?(ms|us|µs|TFLOP/s|GB/s|TB/s|tok/s)\b|\b20\d\d-\d\d-\d\d\b")
+CODE_FOLDERS = ("packages/atom-core/src", "benchmarks", "tools")
+
+
+def comments_and_docstrings(source: str) -> list[str]:
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    texts = [token.string for token in tokens if token.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            texts.append(ast.get_docstring(node, clean=False) or "")
+    return texts
+
+
+def code_files() -> list[Path]:
+    return sorted(path for folder in CODE_FOLDERS for path in (ROOT / folder).rglob("*.py"))
+
+
+def test_code_comments_point_to_benchmark_figures_instead_of_holding_them():
+    found = [
+        f"{path.relative_to(ROOT)}: {match.group(0)!r}"
+        for path in code_files()
+        for text in comments_and_docstrings(path.read_text())
+        for match in BENCHMARK_FIGURE.finditer(text)
+    ]
+    assert not found, found
+
+
+def test_pointers_into_performance_page_name_its_sections():
+    headings = {
+        line.lstrip("#").strip()
+        for line in (ROOT / "docs" / "performance.md").read_text().splitlines()
+        if line.startswith("#")
+    }
+    pointers = []
+    for path in code_files():
+        text = re.sub(r"\s*\n\s*#?\s*", " ", path.read_text())
+        pointers += [(path.name, section) for section in PERFORMANCE_POINTER.findall(text)]
+    assert pointers
+    missing = [f"{name}: {section}" for name, section in pointers if section not in headings]
+    assert not missing, missing

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +56,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    require_server_extra("demo", "httpx", "uvicorn", "atom.server")  # its HTTP round trip
+    with server_extra_required("demo"):  # its HTTP round trip
+        import httpx  # noqa: F401
+        import uvicorn  # noqa: F401
+
+        import atom.server  # noqa: F401
     from atom.demo import run_demo
 
     run_demo(args.out)
@@ -84,12 +90,12 @@ SERVER_EXTRA_MODULES = frozenset(
 SERVER_EXTRA_HINT = 'pip install "atom-core[server]"'
 
 
-def require_server_extra(command: str, *modules: str) -> None:
-    """Imports `modules` before any model loads (some are imported only later, inside
-    the server); a missing `server`-extra module ends `command` with one line."""
+@contextmanager
+def server_extra_required(command: str) -> Iterator[None]:
+    """Around the imports of the `server` extra's modules, done before any model loads (some
+    are imported only later, inside the server): a missing one ends `command` with one line."""
     try:
-        for module in modules:
-            importlib.import_module(module)
+        yield
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in SERVER_EXTRA_MODULES:
             raise
@@ -123,8 +129,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    require_server_extra("serve", "uvicorn", "atom.server")
-    from atom.server import StartupError, run_server
+    with server_extra_required("serve"):
+        import uvicorn  # noqa: F401
+
+        from atom.server import StartupError, run_server
 
     kwargs = engine_kwargs(args)
     try:
@@ -161,8 +169,6 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _bench_serve(args: argparse.Namespace) -> None:
-    import importlib.util
-
     if importlib.util.find_spec("httpx") is None:
         raise SystemExit(
             f'atom bench {args.bench_command}: needs httpx: pip install "atom-core[bench]"'

@@ -20,7 +20,7 @@ ALL_HOSTS = ("atom", "vllm", "sglang")
 @dataclass(frozen=True)
 class ModelEntry:
     architecture: str
-    module: str
+    model_module: str  # its module under atom.models, e.g. "llama"
     class_name: str
     family: str
     attention: str = "MHA"  # "MHA" (incl. GQA/MQA) or "MLA"
@@ -36,23 +36,28 @@ class ModelEntry:
             object.__setattr__(self, "quant", FP8_FORMATS if self.moe else QUANT_FORMATS)
 
     @property
+    def module(self) -> str:
+        return f"atom.models.{self.model_module}"
+
+    @property
     def class_path(self) -> str:
         """`module:Class`, the lazy form hosts register."""
         return f"{self.module}:{self.class_name}"
 
     def load_class(self) -> type:
-        return getattr(importlib.import_module(self.module), self.class_name)
+        # The package spelled out, so the dependency-rule test can read that only ATOM's
+        # models load here.
+        module = importlib.import_module(f"atom.models.{self.model_module}")
+        return getattr(module, self.class_name)
 
 
 _ENTRIES = (
-    ModelEntry("LlamaForCausalLM", "atom.models.llama", "LlamaForCausalLM", "Llama 2 / 3.x"),
-    ModelEntry("Qwen3ForCausalLM", "atom.models.qwen3", "Qwen3ForCausalLM", "Qwen3"),
-    ModelEntry(
-        "Qwen3MoeForCausalLM", "atom.models.qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", moe=True
-    ),
+    ModelEntry("LlamaForCausalLM", "llama", "LlamaForCausalLM", "Llama 2 / 3.x"),
+    ModelEntry("Qwen3ForCausalLM", "qwen3", "Qwen3ForCausalLM", "Qwen3"),
+    ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", moe=True),
     ModelEntry(
         "MixtralForCausalLM",
-        "atom.models.mixtral",
+        "mixtral",
         "MixtralForCausalLM",
         "Mixtral",
         moe=True,
@@ -60,7 +65,7 @@ _ENTRIES = (
     ),
     ModelEntry(
         "DeepseekV2ForCausalLM",
-        "atom.models.deepseek_v2",
+        "deepseek_v2",
         "DeepseekV2ForCausalLM",
         "DeepSeek-V2",
         attention="MLA",
@@ -68,7 +73,7 @@ _ENTRIES = (
     ),
     ModelEntry(
         "DeepseekV3ForCausalLM",
-        "atom.models.deepseek_v2",
+        "deepseek_v2",
         "DeepseekV3ForCausalLM",
         "DeepSeek-V3",
         attention="MLA",
@@ -76,14 +81,14 @@ _ENTRIES = (
     ),
     ModelEntry(
         "Glm4MoeForCausalLM",
-        "atom.models.glm4_moe",
+        "glm4_moe",
         "Glm4MoeForCausalLM",
         "GLM-4.5 / 4.6 / 4.7 (and -Air)",
         moe=True,
     ),
     ModelEntry(
         "GptOssForCausalLM",
-        "atom.models.gpt_oss",
+        "gpt_oss",
         "GptOssForCausalLM",
         "GPT-OSS (20B / 120B)",
         moe=True,
@@ -94,7 +99,7 @@ _ENTRIES = (
     # checkpoints' names: the native engine only (their vision towers are skipped there).
     ModelEntry(
         "Qwen3NextForCausalLM",
-        "atom.models.qwen3_next",
+        "qwen3_next",
         "Qwen3NextForCausalLM",
         "Qwen3-Next",
         moe=True,
@@ -103,7 +108,7 @@ _ENTRIES = (
     ),
     ModelEntry(
         "Qwen3_5ForCausalLM",
-        "atom.models.qwen3_5",
+        "qwen3_5",
         "Qwen3_5ForCausalLM",
         "Qwen3.5",
         hosts=("atom", "vllm", "sglang"),
@@ -111,7 +116,7 @@ _ENTRIES = (
     ),
     ModelEntry(
         "Qwen3_5MoeForCausalLM",
-        "atom.models.qwen3_5",
+        "qwen3_5",
         "Qwen3_5MoeForCausalLM",
         "Qwen3.5-MoE",
         moe=True,
@@ -120,7 +125,7 @@ _ENTRIES = (
     ),
     ModelEntry(
         "Qwen3_5ForConditionalGeneration",
-        "atom.models.qwen3_5",
+        "qwen3_5",
         "Qwen3_5ForCausalLM",
         "Qwen3.5 (the text model of the multimodal checkpoints)",
         hosts=("atom",),
@@ -128,7 +133,7 @@ _ENTRIES = (
     ),
     ModelEntry(
         "Qwen3_5MoeForConditionalGeneration",
-        "atom.models.qwen3_5",
+        "qwen3_5",
         "Qwen3_5MoeForCausalLM",
         "Qwen3.5-MoE (the text model of the multimodal checkpoints)",
         moe=True,
@@ -137,7 +142,7 @@ _ENTRIES = (
     ),
     ModelEntry(
         "MiniMaxM2ForCausalLM",
-        "atom.models.minimax_m2",
+        "minimax_m2",
         "MiniMaxM2ForCausalLM",
         "MiniMax-M2",
         moe=True,

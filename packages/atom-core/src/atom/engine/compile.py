@@ -1,9 +1,9 @@
 """torch.compile in the native engine, confined to the sampler's `pick`.
 
 `pick` makes several full passes over the [B, vocab] logits (argmax, logsumexp, gather,
-packing); inductor fuses them: on an H200 with a 151,936-wide vocabulary, 0.18 ms instead
-of 0.37 ms at B=256 and 0.58 instead of 1.24 at B=1024 (`benchmarks/compile.py`). `draw`
-(the filtered sampling) stays eager: inductor's Triton backend fails on its top-p cumsum.
+packing); inductor fuses them, which halves its time at large batches (docs/performance.md,
+"Sampler compile"; `benchmarks/compile.py` measures it). `draw` (the filtered sampling)
+stays eager: inductor's Triton backend fails on its top-p cumsum.
 The model is left alone: its layers are already fused Triton kernels around cuBLAS
 matmuls, and their launchers read step metadata on the host, which dynamo would guard
 on and recompile for.

@@ -15,9 +15,9 @@ from atom.sampling_params import SamplingParams
 Prompt = str | list[int]
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20
 # (max_num_seqs, max_num_batched_tokens) when not given. On a GPU, decode throughput is
-# bound by KV reads and flat beyond a few hundred sequences (H100, Qwen3-0.6B shape,
-# 512x512->256: 24,028 out tok/s at 256 sequences, 22,643 at 512), while more concurrency
-# than the KV cache holds only buys preemptions; long prefill chunks keep matmuls large.
+# bound by KV reads and flat beyond a few hundred sequences, while more concurrency than
+# the KV cache holds only buys preemptions (docs/performance.md, "Native engine batch
+# limits"); long prefill chunks keep matmuls large.
 DEFAULT_BATCH_LIMITS = {"cpu": (256, 8192), "cuda": (256, 16384)}
 
 

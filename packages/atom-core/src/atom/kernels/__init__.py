@@ -1,5 +1,7 @@
 """ATOM kernels: one module per op family; each op has a torch reference (see policy.py)."""
 
+# Declares Triton and aiter to the kernel policy before any op dispatches.
+from atom.kernels import backends  # noqa: F401
 from atom.kernels.activation import silu_and_mul
 from atom.kernels.fp8 import (
     FP8_DTYPE,

@@ -5,12 +5,14 @@ Every op module registers its implementations with `@register(op, backend)` and 
 and defines what is correct; faster backends are used where the device supports them.
 `ATOM_KERNELS=torch|triton|aiter` forces one backend (falling back to torch for ops that
 backend does not provide).
+
+The policy knows the faster backends only through `register_backend` (atom.kernels.backends
+declares them), so it never imports the implementations that import it.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from collections.abc import Callable
 
@@ -19,6 +21,9 @@ import torch
 BACKENDS = ("aiter", "triton", "torch")
 
 _IMPLS: dict[str, dict[str, Callable]] = {}
+# backend -> load(device_type): registers the backend's implementations and says whether
+# that device type can run them.
+_BACKEND_LOADERS: dict[str, Callable[[str], bool]] = {}
 
 
 def register(op: str, backend: str) -> Callable[[Callable], Callable]:
@@ -31,6 +36,17 @@ def register(op: str, backend: str) -> Callable[[Callable], Callable]:
         return fn
 
     return decorator
+
+
+def register_backend(backend: str, load: Callable[[str], bool]) -> None:
+    """Declares a backend other than the torch reference. `load(device_type)` runs the first
+    time a device type dispatches: it imports the backend's implementations (which register
+    themselves) where the device can run them, and returns whether it can."""
+    if backend not in BACKENDS or backend == "torch":
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS[:-1]}")
+    _BACKEND_LOADERS[backend] = load
+    _device_backends.cache_clear()
+    _select.cache_clear()
 
 
 def capturable(fn: Callable) -> Callable:
@@ -51,18 +67,13 @@ def _forced_backend() -> str | None:
 
 @functools.cache
 def _device_backends(device_type: str) -> tuple[str, ...]:
-    """Backends usable on a device type, fastest first."""
-    if device_type != "cuda":
-        return ("torch",)
-    order = []
-    if torch.version.hip is not None and importlib.util.find_spec("aiter") is not None:
-        importlib.import_module("atom.kernels.aiter")  # registers the aiter adapters
-        order.append("aiter")
-    if importlib.util.find_spec("triton") is not None:
-        importlib.import_module("atom.kernels.triton")  # registers the Triton implementations
-        order.append("triton")
-    order.append("torch")
-    return tuple(order)
+    """Backends usable on a device type, fastest first; the torch reference runs everywhere."""
+    usable = tuple(
+        backend
+        for backend in BACKENDS
+        if backend in _BACKEND_LOADERS and _BACKEND_LOADERS[backend](device_type)
+    )
+    return (*usable, "torch")
 
 
 @functools.cache

@@ -12,38 +12,14 @@ import torch
 from torch import nn
 
 from atom.distributed import divide, get_tp_group
-from atom.kernels import fused_moe, grouped_topk, topk_softmax
+from atom.kernels import grouped_topk, topk_softmax
 from atom.kernels.moe import MoEActivation, check_moe_activation
 from atom.kernels.policy import is_capturable
 from atom.layers.quantization import QuantizationConfig, set_weight_attrs
+from atom.layers.quantization.unquantized import UnquantizedMoEMethod
 
 # Checkpoint shard names: w1 = gate, w3 = up (both in w13), w2 = down.
 _W13_HALF = {"w1": 0, "w3": 1}
-
-
-class UnquantizedMoEMethod:
-    supports_bias = True
-
-    def create_weights(
-        self, layer: FusedMoE, num_experts: int, hidden: int, inter: int, dtype
-    ) -> None:
-        layer.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False
-        )
-        layer.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False
-        )
-        for param in (layer.w13_weight, layer.w2_weight):
-            set_weight_attrs(param, weight_loader=layer.weight_loader)
-
-    def apply(self, layer: FusedMoE, x, topk_weights, topk_ids) -> torch.Tensor:
-        return fused_moe(
-            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation,
-            w13_bias=layer.w13_bias, w2_bias=layer.w2_bias,
-        )  # fmt: skip
-
-    def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        pass
 
 
 class FusedMoE(nn.Module):

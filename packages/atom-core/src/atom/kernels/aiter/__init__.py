@@ -1,8 +1,8 @@
 """aiter (AMD) adapters, registered with the kernel policy when imported.
 
-policy._device_backends imports this package only on ROCm with `aiter` installed, and
-tries aiter before Triton there. Each adapter converts ATOM's op signature to one aiter
-call and back; an input it cannot take (dtype, shape, FP8 flavour) goes to the next
+atom.kernels.backends imports this package only on ROCm with `aiter` installed, and the
+policy tries aiter before Triton there. Each adapter converts ATOM's op signature to one
+aiter call and back; an input it cannot take (dtype, shape, FP8 flavour) goes to the next
 backend through `policy.fallback`.
 
 Adapted: rms_norm, fused_add_rms_norm (norm.py), silu_and_mul (activation.py),

@@ -209,7 +209,7 @@ def pick_config(
     if rows_per_expert <= 16:
         # Streaming the weights dominates: one small M-block per expert, long K steps, and
         # narrow N-tiles where wide ones would leave SMs idle. FP8 halves the bytes per
-        # stage, and three stages beat four there (H200 sweep, T=64: 0.25 vs 0.38 ms).
+        # stage, and three stages beat four there (docs/performance.md, "Fused MoE tiles").
         used_blocks = min(num_rows, num_experts)
         wide = used_blocks * triton.cdiv(inter, 64) >= 2 * num_sms(device)
         deep = 3 if fp32 or fp8_block else 4
@@ -217,10 +217,9 @@ def pick_config(
     if rows_per_expert <= 64:
         return MoEConfig.same(32, 64, block_k, 4, 4, stages)
     if fp8_block:
-        # H100 sweep (benchmarks/moe.py --sweep), T=4096 / 16384: 0.856 / 3.04 ms against
-        # 0.890 / 3.17 with 64x64x128 tiles and four warps in both GEMMs (vLLM 0.890 / 3.15).
-        # The down GEMM wants 128-wide tiles and eight warps; past 256 rows per expert both
-        # GEMMs take 128-row tiles. The stacked gate/up tile lost here (0.79x at 16384).
+        # From the H100 sweep (benchmarks/moe.py --sweep; docs/performance.md, "Fused MoE
+        # tiles"): the down GEMM wants 128-wide tiles and eight warps; past 256 rows per
+        # expert both GEMMs take 128-row tiles. The stacked gate/up tile lost here.
         gate_up = GemmTiles(block_n=64, block_k=block_k, group_m=8, num_stages=3)
         down = GemmTiles(block_n=128, block_k=block_k, num_warps=8, num_stages=3)
         if rows_per_expert <= 256:
@@ -230,11 +229,9 @@ def pick_config(
         if rows_per_expert <= 256:
             return MoEConfig.same(64, 64, block_k, 8, 4, stages)
         return MoEConfig.same(128, 64, block_k, 8, 8, stages)
-    # H100 sweep, bf16 (128-row tiles, 128x64 N/K tiles, eight warps): the stacked gate/up
-    # tile, one 128x256 dot per K step instead of two 128x128, was 1.7% / 2.2% faster at
-    # T=4096 / 16384 than the paired form with otherwise equal tiles; the configs below,
-    # each the sweep's best at its T (group_m included), ran 0.930 / 2.92 ms against vLLM's
-    # 0.993 / 3.34.
+    # bf16: the stacked gate/up tile, one 128x256 dot per K step instead of two 128x128,
+    # beat the paired form with otherwise equal tiles; the configs below are each the H100
+    # sweep's best at its T, group_m included (docs/performance.md, "Fused MoE tiles").
     tiles = GemmTiles(block_n=128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
     if rows_per_expert <= 256:
         return MoEConfig(128, replace(tiles, group_m=1, stacked=True), tiles)
@@ -260,8 +257,8 @@ def _sum_top_k_kernel(rows_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.
 
 
 def sum_top_k(rows: torch.Tensor) -> torch.Tensor:
-    """[T, k, H] -> [T, H] in fp32: torch's reduction over the middle dim took ~5 us per
-    layer at decode sizes (H200), a quarter of the expert GEMMs' time."""
+    """[T, k, H] -> [T, H] in fp32: torch's reduction over the middle dim took a quarter of
+    the expert GEMMs' time at decode sizes (docs/performance.md, "Fused MoE tiles")."""
     num_tokens, top_k, hidden = rows.shape
     out = rows.new_empty(num_tokens, hidden)
     block = min(1024, triton.next_power_of_2(hidden))

@@ -90,10 +90,10 @@ class ChunkLaunch:
                 raise ValueError(f"ChunkLaunch: {name}={value} must be a power of two >= 16")
 
 
-# Measured on an H100 (benchmarks/gated_delta.py --sweep, Qwen3-Next heads, bf16): the
-# defaults above won at 1 x 4096 tokens (rule 1.41 -> 1.09 ms against the first defaults);
-# with 8 x 4096 a 64-wide state tile with 4 warps won on top (9.50 -> 7.05 ms), because
-# 64-wide tiles then still give every SM a program (8 x 32 heads x 2 tiles).
+# The defaults above won benchmarks/gated_delta.py --sweep for one long sequence; with
+# several, a 64-wide state tile with 4 warps won on top, because 64-wide tiles then still
+# give every SM a program (8 x 32 heads x 2 tiles at 8 sequences). Figures:
+# docs/performance.md, "Gated delta chunk launches".
 NARROW_STATE_LAUNCH = ChunkLaunch()
 WIDE_STATE_LAUNCH = replace(NARROW_STATE_LAUNCH, state_block_v=64, state_warps=4)
 # benchmarks/gated_delta.py --sweep sets this to time one launch for every batch.

@@ -9,9 +9,9 @@ Attention sinks (GPT-OSS): a per-head logit with no value, i.e. a key whose valu
 The first split starts its online-softmax state from it (running max = the sink, sum = 1),
 so the reduce merges it like any key, once. With sinks the decode kernel takes 72 registers
 per thread instead of 64 (H100, GPT-OSS heads; the same when the sink joins the sum at the
-end): 7 blocks per SM instead of 8, so 256 sequences x 8 KV heads run in 3 waves, not 2
-(+9% at 256 x 2048 keys; +0% at 64 x 8192, 512 x 1024, 1024 x 1024). Capping it at 64
-(maxnreg) spilled and lost 1-2.5% on those other shapes.
+end): 7 blocks per SM instead of 8, so 256 sequences x 8 KV heads run in 3 waves, not 2.
+Capping it at 64 (maxnreg) spilled, which cost more on the other shapes than the extra
+wave does on that one (docs/performance.md, "Decode attention").
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ from atom.kernels.triton.prefill_attention import prefill_attention
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 # An fp8 cache's tile holds twice block_n keys while there are fewer programs than
 # FP8_WIDE_TILE_PROGRAMS: the same bytes per load as the bf16 tile, so as many stay in
-# flight. H100, one call (fp8 time / bf16 time, block_n keys -> twice as many): 64 x 8k
-# 1.04 -> 0.88, 16 x 8k 1.02 -> 0.93 (512 programs each); with more programs the wide tile
-# lost occupancy: 256 x 1k 0.86 -> 0.92 (2,048), 128 x 2k 0.86 -> 0.89 (1,024).
+# flight; with more programs the wide tile lost occupancy (docs/performance.md, "Decode
+# attention").
 FP8_WIDE_TILE_PROGRAMS = 1024
 DECODE_TARGET_PROGRAMS = 512
 MAX_DECODE_SPLITS = 16
@@ -249,7 +248,8 @@ def decode_attention(
     v_head_dim = args["v_head_dim"]
     single = num_splits == 1
     # Large batches fill the GPU with one split per (sequence, kv head): the kernel then
-    # writes the output itself (the reduce pass cost ~14% of decode time at B=1024).
+    # writes the output itself, sparing the reduce pass (docs/performance.md, "Decode
+    # attention").
     part_shape = (0, 0, 0) if single else (num_decodes, num_q_heads, num_splits)
     part_out = query.new_empty(*part_shape, v_head_dim, dtype=torch.float32)
     part_max = query.new_empty(part_shape, dtype=torch.float32)

@@ -4,17 +4,17 @@
 A sequence's keys come from two places:
 - its cached prefix (positions below context = seq_len - query_len): the pages, one
   table entry per page; a [pages, rows, D] block is loaded and reshaped to [BLOCK_N, D]
-  (in the probe, twice as fast as the same kernel with a table lookup per key row);
+  (faster than a table lookup per key row: docs/performance.md, "Prefill attention");
 - its new tokens: the step's dense `key`/`value` [T, Hkv, D] when the caller passes them
   (every host has them: it has just written them into the cache), read through TMA
   descriptors on Hopper and newer; without them, the pages as well.
-Tiles hold one query head: with GQA-packed tiles (all heads of a KV head) the H200 probe
-(2026-11-22) ran no faster, and the tile shape would follow the group size.
+Tiles hold one query head: GQA-packed tiles (all heads of a KV head) ran no faster
+(docs/performance.md, "Prefill attention"), and their shape would follow the group size.
 Key blocks below a tile's first query are visible to all its rows and skip the mask;
 only the diagonal blocks (and, with a sliding window, every block) pay for it. That is a
 runtime check inside one loop per source: with an unmasked loop and a masked loop the
-pipeline drained and refilled at the diagonal, and the one loop ran 14-15% faster (H200
-A/B, 2026-11-22: 395 vs 345 TFLOP/s at 16x2048, 519 vs 458 at 4x8192).
+pipeline drained and refilled at the diagonal (the A/B: docs/performance.md, "Prefill
+attention").
 An attention sink (GPT-OSS: a per-head logit with no value) is a key of zero value: the
 online softmax starts from it (running max = the sink, sum = 1), outside the key loops.
 """
@@ -29,9 +29,8 @@ from atom.kernels.kv_cache import is_fp8_kv_cache
 from atom.kernels.triton.tma import tma_ready, tma_supported, use_scratch_allocator
 
 # Launch parameters from H200 sweeps (benchmarks/tune_attention.py; bf16, head dim 128,
-# 32 q / 8 kv heads, 16-token pages, new K/V dense through TMA). Side by side with FA3 on
-# the same paged inputs, median of 5 interleaved rounds (2026-11-22): 16x2048 389 TFLOP/s
-# (0.82x FA3; 64x64 tiles 0.77x), 4x8192 486 (0.86x), 64x512 230 (0.81x).
+# 32 q / 8 kv heads, 16-token pages, new K/V dense through TMA); how they compare with FA3:
+# docs/performance.md, "Prefill attention".
 LONG_CONFIG = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "tma": True}
 SHORT_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2, "tma": True}
 LONG_TOKENS = 1024

@@ -175,10 +175,8 @@ _MIN_SPLIT_LEN = 512  # K rows per split: shorter splits spend their time fillin
 
 def pick_w4a16_config(m: int, n: int, k: int, sms: int) -> W4a16Config:
     """Defaults: for small M, 128-wide tiles and K splits until there are two programs per
-    SM. On an H100 (benchmarks/w4a16.py --sweep, Qwen3-8B layers, GPTQ group 128, M = 1
-    and 16, graph replays) this picks qkv split 8, o 8, gate_up 2, down 8: within 4% of
-    each layer's fastest of 12-27 candidates (qkv 19.8, o 16.6, gate_up 43.5, down
-    28.7 us at M = 1)."""
+    SM, which came within a few percent of the fastest candidate of benchmarks/w4a16.py
+    --sweep on every Qwen3-8B layer (docs/performance.md, "W4A16 small-M launch")."""
     if m <= SMALL_M:
         block_n = 128
         split = 1

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from atom.layers.quantization.awq import AwqConfig
 from atom.layers.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
-from atom.layers.quantization.unquantized import UnquantizedLinearMethod
+from atom.layers.quantization.compressed_tensors import compressed_tensors_config
+from atom.layers.quantization.fp8 import Fp8Config
+from atom.layers.quantization.gptq import GptqConfig
+from atom.layers.quantization.mxfp4 import Mxfp4Config
+from atom.layers.quantization.unquantized import UnquantizedLinearMethod, UnquantizedMoEMethod
+
+# HF `quant_method` -> the config it describes, read from the checkpoint's dict.
+_CONFIG_READERS: dict[str, Callable[[dict], QuantizationConfig]] = {
+    "fp8": Fp8Config.from_dict,
+    "compressed-tensors": compressed_tensors_config,
+    "mxfp4": Mxfp4Config.from_dict,
+    "awq": AwqConfig.from_dict,
+    "gptq": GptqConfig.from_dict,
+}
 
 
 def get_quant_config(hf_config: Any) -> QuantizationConfig | None:
@@ -15,26 +30,8 @@ def get_quant_config(hf_config: Any) -> QuantizationConfig | None:
         return None
     raw = raw if isinstance(raw, dict) else raw.to_dict()
     method = raw.get("quant_method")
-    if method == "fp8":
-        from atom.layers.quantization.fp8 import Fp8Config
-
-        return Fp8Config.from_dict(raw)
-    if method == "compressed-tensors":
-        from atom.layers.quantization.compressed_tensors import compressed_tensors_config
-
-        return compressed_tensors_config(raw)
-    if method == "mxfp4":
-        from atom.layers.quantization.mxfp4 import Mxfp4Config
-
-        return Mxfp4Config.from_dict(raw)
-    if method == "awq":
-        from atom.layers.quantization.awq import AwqConfig
-
-        return AwqConfig.from_dict(raw)
-    if method == "gptq":
-        from atom.layers.quantization.gptq import GptqConfig
-
-        return GptqConfig.from_dict(raw)
+    if method in _CONFIG_READERS:
+        return _CONFIG_READERS[method](raw)
     raise ValueError(
         f"unsupported quantization method {method!r}; supported: 'fp8', "
         "'compressed-tensors' (FP8, 4-bit pack-quantized), 'awq', 'gptq' (4-bit), "
@@ -46,6 +43,7 @@ __all__ = [
     "LinearMethod",
     "QuantizationConfig",
     "UnquantizedLinearMethod",
+    "UnquantizedMoEMethod",
     "get_quant_config",
     "set_weight_attrs",
 ]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from atom.config import ConfigError
 from atom.layers.quantization.base import LinearMethod, QuantizationConfig
-from atom.layers.quantization.fp8 import Fp8PerTensorLinearMethod, _IgnoringConfig
+from atom.layers.quantization.fp8 import Fp8PerTensorLinearMethod
+from atom.layers.quantization.ignored_layers import IgnoredLayersConfig
 from atom.layers.quantization.pack_quantized import PackQuantizedConfig
 
 PACK_QUANTIZED = "pack-quantized"
@@ -26,7 +27,7 @@ def compressed_tensors_config(raw: dict) -> QuantizationConfig:
     return PackQuantizedConfig.from_dict(raw, groups[0].get("weights") or {})
 
 
-class CompressedTensorsFp8Config(_IgnoringConfig):
+class CompressedTensorsFp8Config(IgnoredLayersConfig):
     name = "compressed-tensors"
     format = "compressed-tensors-fp8"
 

@@ -19,7 +19,9 @@ from atom.kernels.fp8 import (
     quantize_fp8_per_token,
     quantize_fp8_per_token_group,
 )
-from atom.layers.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
+from atom.kernels.moe import fused_moe
+from atom.layers.quantization.base import LinearMethod, set_weight_attrs
+from atom.layers.quantization.ignored_layers import IgnoredLayersConfig
 
 
 def _fp8_weight(layer: nn.Module, rows: int, cols: int, weight_loader: Callable) -> None:
@@ -134,30 +136,7 @@ class Fp8PerTensorLinearMethod(LinearMethod):
         return out.reshape(*lead, -1)
 
 
-class _IgnoringConfig(QuantizationConfig):
-    """Shared by FP8 formats: layers named in `ignore` (e.g. lm_head) stay unquantized."""
-
-    def __init__(self, ignored: list[str]):
-        self.ignored = ignored
-
-    def is_ignored(self, prefix: str) -> bool:
-        return any(
-            prefix == name or prefix.endswith("." + name) or name in prefix.split(".")
-            for name in self.ignored
-        )
-
-    def linear_method(self, prefix: str) -> LinearMethod:
-        from atom.layers.quantization.unquantized import UnquantizedLinearMethod
-
-        if self.is_ignored(prefix):
-            return UnquantizedLinearMethod()
-        return self.quantized_method(prefix)
-
-    def quantized_method(self, prefix: str) -> LinearMethod:
-        raise NotImplementedError
-
-
-class Fp8Config(_IgnoringConfig):
+class Fp8Config(IgnoredLayersConfig):
     """HF `quant_method: "fp8"`: block scales when `weight_block_size` is set, else per tensor."""
 
     name = "fp8"
@@ -228,8 +207,6 @@ class Fp8BlockMoEMethod:
         )
 
     def apply(self, layer, x, topk_weights, topk_ids):
-        from atom.kernels.moe import fused_moe
-
         return fused_moe(
             x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
             w13_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv,
@@ -251,8 +228,6 @@ class Fp8PerTensorMoEMethod:
         self.intermediate = inter
 
     def apply(self, layer, x, topk_weights, topk_ids):
-        from atom.kernels.moe import fused_moe
-
         return fused_moe(
             x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
             w13_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,

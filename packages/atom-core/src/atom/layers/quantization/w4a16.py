@@ -21,7 +21,8 @@ from torch import nn
 from atom.config import ConfigError
 from atom.kernels.w4a16 import PACK_FACTOR, pack_int4_rows, w4a16_gemm
 from atom.layers.quantization.base import LinearMethod, set_weight_attrs
-from atom.layers.quantization.fp8 import _IgnoringConfig
+from atom.layers.quantization.ignored_layers import IgnoredLayersConfig
+from atom.layers.quantization.unquantized import UnquantizedMoEMethod
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
 
@@ -180,7 +181,7 @@ def drop_params(layer: nn.Module, *names: str) -> list[torch.Tensor]:
     return tensors
 
 
-class W4A16Config(_IgnoringConfig):
+class W4A16Config(IgnoredLayersConfig):
     """What every 4-bit weight-only format shares: bits, group size, act-order, the layers
     left unquantized, and no 4-bit MoE experts."""
 
@@ -207,8 +208,6 @@ class W4A16Config(_IgnoringConfig):
 
     def moe_method(self, prefix: str):
         if self.is_ignored(prefix):
-            from atom.layers.moe import UnquantizedMoEMethod
-
             return UnquantizedMoEMethod()
         raise ConfigError(
             f"{prefix}: {self.format} checkpoints with 4-bit MoE experts are unsupported "
