@@ -15,27 +15,40 @@ from atom.registry import all_models
 
 pytestmark = pytest.mark.slow
 
-SHAPES = [
-    f"tiny-{entry.architecture}"
-    for entry in all_models()
-    if "sglang" in entry.hosts and entry.architecture.endswith("ForCausalLM")
-]
 CPU_ENGINE = dict(
     device="cpu", disable_cuda_graph="true", max_total_tokens=4096, mem_fraction_static=0.05
 )
+# Gated DeltaNet families, as test_sglang_hybrid.py runs them: without FLA, SGLang's mamba
+# radix cache needs no_buffer and no overlap schedule, and the conv state must be fp32.
+HYBRID_ENGINE = CPU_ENGINE | dict(
+    mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule="true"
+)
+HYBRID_ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
 
 
-def test_every_sglang_family_passes_the_check(tmp_path):
+def _shapes(hybrid: bool) -> list[str]:
+    return [
+        f"tiny-{entry.architecture}"
+        for entry in all_models()
+        if "sglang" in entry.hosts
+        and entry.architecture.endswith("ForCausalLM")
+        and entry.hybrid == hybrid
+    ]
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
+def test_every_sglang_family_passes_the_check(tmp_path, hybrid):
+    shapes = _shapes(hybrid)
     command = [sys.executable, "-m", "atom.cli", "bench", "check", "--device", "cpu"]
-    command += ["--engines", "sglang-atom", "--shapes", ",".join(SHAPES), "--streams", "2x40"]
-    for key, value in CPU_ENGINE.items():
+    command += ["--engines", "sglang-atom", "--shapes", ",".join(shapes), "--streams", "2x40"]
+    for key, value in (HYBRID_ENGINE if hybrid else CPU_ENGINE).items():
         command += ["--sglang-option", f"{key}={value}"]
     command += ["--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
-    env = sglang_cpu_support.engine_env(tmp_path)
+    env = sglang_cpu_support.engine_env(tmp_path) | (HYBRID_ENV if hybrid else {})
     env.pop("ATOM_DISABLE_SGLANG_PLUGIN", None)
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "out" / "check.json").read_text())["rows"]
-    assert {r["shape"] for r in rows} == set(SHAPES)
+    assert {r["shape"] for r in rows} == set(shapes)
     assert all(r["engine"] == "sglang-atom" and r["reference"] == "hf-float32" for r in rows)
     assert all(r["passed"] and r["positions"] == 78 and r["top1_agreement"] == 1.0 for r in rows)

@@ -40,10 +40,21 @@ def write_checkpoint(
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, safe_serialization=True)
+    keep_given_fields(partial / "config.json", fields)
     if quantization:
         del model  # the GPU memory goes to quantizing the shards
         quantize_checkpoint(partial, quantization)
     partial.rename(folder)
+
+
+def keep_given_fields(config_json: Path, fields: dict) -> None:
+    """Writes back every field of the shape that the config class dropped when it derived
+    others from it (Qwen3-Next's full_attention_interval becomes layer_types, but SGLang
+    reads the interval)."""
+    config = json.loads(config_json.read_text())
+    dropped = {key: value for key, value in fields.items() if key not in config}
+    if dropped:
+        config_json.write_text(json.dumps(config | dropped, indent=2, sort_keys=True))
 
 
 def main() -> None:

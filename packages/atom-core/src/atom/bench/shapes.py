@@ -303,15 +303,20 @@ SHAPES = {
     ),
 }
 
+
+def _tiny_shape(architecture: str, hybrid: bool) -> Shape:
+    fields = tiny_fields(architecture)
+    if hybrid:
+        # HF's default pattern (every 4th layer full attention), written out: SGLang reads
+        # the interval from config.json, not the layer types HF derives.
+        fields["full_attention_interval"] = 4
+    return Shape(f"tiny-{architecture}", config_class_name(architecture), architecture, fields)
+
+
 # A tiny shape of every registered causal LM (atom.testing's configs, the host suites'):
 # `atom bench check --device cpu` runs each family through every host with them.
 SHAPES |= {
-    f"tiny-{entry.architecture}": Shape(
-        f"tiny-{entry.architecture}",
-        config_class_name(entry.architecture),
-        entry.architecture,
-        tiny_fields(entry.architecture),
-    )
+    f"tiny-{entry.architecture}": _tiny_shape(entry.architecture, entry.hybrid)
     for entry in all_models()
     if entry.architecture.endswith("ForCausalLM")
 }
