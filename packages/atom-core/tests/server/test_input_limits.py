@@ -98,6 +98,8 @@ BAD_REQUESTS = {
                                      '"role": "system"}]}'), 400, None, "'role' appears twice"),
     "nested 100,000 deep": (COMPLETIONS, raw(nested(100_000)), 400, None, "128 levels deep"),
     "nested 129 deep": (COMPLETIONS, raw(nested(128)), 400, None, "128 levels deep"),
+    "more stop strings than the limit": (COMPLETIONS, {"prompt": "a", "stop": ["x"] * 65}, 400,
+                                         "stop", "stop has 65 strings; the limit is 64"),
     "detokenize unknown ids": ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens",
                                "tokens must be"),
     "tokenize neither": ("/tokenize", {"add_special_tokens": False}, 400, None,
@@ -145,6 +147,20 @@ def test_deep_bodies_and_rich_tool_schemas_within_bounds_are_served(server):
     for body in (deep, rich):
         response = post(server, CHAT, body)
         assert response.status_code == 200, response.text
+
+
+def test_stop_strings_up_to_the_limit_stop_where_the_first_one_ends(client):
+    """64 stop strings (--max-stop-strings' default), most never met: the output stops at
+    the one that ends first, whatever its place in the list."""
+    kwargs = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 24, "seed": 5,
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    full = client.completions.create(**kwargs).choices[0].text
+    words = full.split()
+    early, late = f" {words[3]}", f" {words[8]}"
+    cut = full.index(early) if early in full[: full.index(late)] else full.index(late)
+    stops = [f"never {i}" for i in range(62)] + [late, early]
+    choice = client.completions.create(**kwargs, stop=stops).choices[0]
+    assert (choice.text, choice.finish_reason) == (full[:cut], "stop")
 
 
 def test_null_means_default_and_null_max_tokens_means_the_context(client):
