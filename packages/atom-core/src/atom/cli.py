@@ -124,6 +124,9 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--max-n", type=int, default=128, help="most choices per request: n, best_of, prompts x n"
     )
     limits.add_argument(
+        "--max-stop-strings", type=int, default=64, help="most stop strings per request"
+    )
+    limits.add_argument(
         "--max-request-body-bytes", type=int, default=16 * 2**20, help="larger bodies get a 413"
     )
 
@@ -150,6 +153,7 @@ def _serve(args: argparse.Namespace) -> None:
             allow_credentials=args.allow_credentials,
             max_n=args.max_n,
             max_request_body_bytes=args.max_request_body_bytes,
+            max_stop_strings=args.max_stop_strings,
             **kwargs,
         )
     except StartupError as exc:

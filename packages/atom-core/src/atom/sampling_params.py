@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
+
+from atom.stop_strings import StopStrings
 
 if TYPE_CHECKING:
     import torch
@@ -122,6 +125,11 @@ class SamplingParams:
                 raise SamplingParamsError(
                     f"logit_bias values must be finite numbers, got {bias!r} for token {token}"
                 )
+
+    @cached_property
+    def stop_strings(self) -> StopStrings:
+        """`stop` made ready to match, once per request (its completions share it)."""
+        return StopStrings(self.stop)
 
     @property
     def has_logits_processors(self) -> bool:

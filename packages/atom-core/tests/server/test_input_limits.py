@@ -17,6 +17,18 @@ from tests.server.server_process import MODEL
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 HUGE_PROMPT = "river " * 1_700_000  # 10 MB of text
 JSON = {"content-type": "application/json"}
+HI = [{"role": "user", "content": "a"}]
+
+
+def nested(depth: int) -> str:
+    """A completion body whose prompt is `depth` arrays deep (the body itself one more)."""
+    return '{"prompt": ' + "[" * depth + "]" * depth + "}"
+
+
+def with_tool_parameters(parameters: dict) -> dict:
+    function = {"name": "f", "parameters": parameters}
+    return {"messages": HI, "tools": [{"type": "function", "function": function}],
+            "tool_choice": "auto"}  # fmt: skip
 
 
 def raw(text: str) -> bytes:
@@ -69,6 +81,25 @@ BAD_REQUESTS = {
                   "messages", "10200000 characters"),
     "body over the limit": (COMPLETIONS, {"prompt": "a " * (MAX_BODY_BYTES // 2)}, 413, None,
                             "--max-request-body-bytes"),
+    "unknown role": (CHAT, {"messages": [{"role": "wizard", "content": "a"}]}, 400,
+                     "messages.0.role", "'system', 'developer', 'user', 'assistant'"),
+    "tool parameters of an unknown type": (CHAT, with_tool_parameters(
+        {"type": "object", "properties": {"x": {"type": "strng"}}}), 400,
+        "tools.0.function.parameters", "properties.x.type: 'strng' is not a JSON type"),
+    "tool parameters' properties a number": (CHAT, with_tool_parameters(
+        {"type": "object", "properties": 5}), 400, "tools.0.function.parameters",
+        "properties: must be an object of schemas"),
+    "tool parameters' required a string": (CHAT, with_tool_parameters(
+        {"type": "object", "required": "x"}), 400, "tools.0.function.parameters",
+        "required: must be a list of property names"),
+    "key given twice": (COMPLETIONS, raw('{"prompt": "a", "max_tokens": 2, "max_tokens": 3}'),
+                        400, None, "'max_tokens' appears twice"),
+    "key given twice in a message": (CHAT, raw('{"messages": [{"role": "user", "content": "a", '
+                                     '"role": "system"}]}'), 400, None, "'role' appears twice"),
+    "nested 100,000 deep": (COMPLETIONS, raw(nested(100_000)), 400, None, "128 levels deep"),
+    "nested 129 deep": (COMPLETIONS, raw(nested(128)), 400, None, "128 levels deep"),
+    "more stop strings than the limit": (COMPLETIONS, {"prompt": "a", "stop": ["x"] * 65}, 400,
+                                         "stop", "stop has 65 strings; the limit is 64"),
     "detokenize unknown ids": ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens",
                                "tokens must be"),
     "tokenize neither": ("/tokenize", {"add_special_tokens": False}, 400, None,
@@ -91,6 +122,45 @@ def test_bad_request_names_its_field(case, server, client):
     assert words in error["message"]
     good = client.completions.create(model=MODEL, prompt="a small cat", max_tokens=2)
     assert good.usage.completion_tokens >= 1
+
+
+def test_deep_bodies_and_rich_tool_schemas_within_bounds_are_served(server):
+    """The refusals above stop at their bounds: a body 128 levels deep, and a tool schema
+    using booleans, $defs, $ref, anyOf and draft-4 flags, are served."""
+    template_kwargs = {}
+    for _ in range(126):  # the body, chat_template_kwargs, then 126 objects: 128 levels
+        template_kwargs = {"unused": template_kwargs}
+    deep = {"messages": HI, "max_tokens": 1, "chat_template_kwargs": template_kwargs}
+    schema = {
+        "type": "object",
+        "$defs": {"point": {"type": "array", "items": {"type": "number"}, "minItems": 2}},
+        "properties": {
+            "at": {"$ref": "#/$defs/point"},
+            "mode": {"anyOf": [{"enum": ["fast", "slow"]}, {"type": "null"}]},
+            "count": {"type": ["integer", "null"], "minimum": 0, "exclusiveMaximum": True},
+            "extra": True,
+        },
+        "required": ["at"],
+        "additionalProperties": False,
+    }
+    rich = {**with_tool_parameters(schema), "max_tokens": 1}
+    for body in (deep, rich):
+        response = post(server, CHAT, body)
+        assert response.status_code == 200, response.text
+
+
+def test_stop_strings_up_to_the_limit_stop_where_the_first_one_ends(client):
+    """64 stop strings (--max-stop-strings' default), most never met: the output stops at
+    the one that ends first, whatever its place in the list."""
+    kwargs = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 24, "seed": 5,
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    full = client.completions.create(**kwargs).choices[0].text
+    words = full.split()
+    early, late = f" {words[3]}", f" {words[8]}"
+    cut = full.index(early) if early in full[: full.index(late)] else full.index(late)
+    stops = [f"never {i}" for i in range(62)] + [late, early]
+    choice = client.completions.create(**kwargs, stop=stops).choices[0]
+    assert (choice.text, choice.finish_reason) == (full[:cut], "stop")
 
 
 def test_null_means_default_and_null_max_tokens_means_the_context(client):

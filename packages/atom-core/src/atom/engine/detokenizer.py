@@ -31,11 +31,8 @@ class Detokenizer:
 
 def find_stop_string(seq: Sequence, new_chars: int) -> str | None:
     """Truncates seq.text at the first stop string that the new text completed."""
-    for stop in seq.params.stop:
-        # Only a window that includes new text can contain a fresh match.
-        window_start = max(0, len(seq.text) - new_chars - len(stop) + 1)
-        cut = seq.text.find(stop, window_start)
-        if cut >= 0:
-            seq.text = seq.text[:cut]
-            return stop
-    return None
+    match = seq.params.stop_strings.first_match(seq.text, new_chars)
+    if match is None:
+        return None
+    seq.text = seq.text[: match.start]
+    return match.stop

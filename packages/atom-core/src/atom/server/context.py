@@ -21,7 +21,9 @@ class ServerContext:
 
     @classmethod
     def of(cls, engine: AsyncEngine, options: ServeOptions, chat_template: str | None):
-        limits = RequestLimits.of(engine.tokenizer, engine.max_model_len, options.max_n)
+        limits = RequestLimits.of(
+            engine.tokenizer, engine.max_model_len, options.max_n, options.max_stop_strings
+        )
         guided = GuidedDecoding(
             engine.tokenizer, engine.vocab_size, sorted(engine.engine.eos_token_ids)
         )

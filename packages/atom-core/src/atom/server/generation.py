@@ -23,10 +23,14 @@ async def sampling_params_of(
         params = request.sampling_params()
     except ValueError as exc:  # SamplingParamsError names the field
         raise APIError(400, str(exc), param=_field_named(exc)) from exc
-    if guide is None:
-        return params
-    factory = await ctx.tokenization.offload(ctx.guided.guide_factory, guide)
-    return dataclasses.replace(params, guide_factory=factory)
+    ctx.limits.check_stop(params)
+    if guide is not None:
+        factory = await ctx.tokenization.offload(ctx.guided.guide_factory, guide)
+        params = dataclasses.replace(params, guide_factory=factory)
+    if params.stop:
+        # Made ready to match here, not on the engine thread, which serves every request.
+        await ctx.tokenization.offload(lambda: params.stop_strings)
+    return params
 
 
 def _field_named(exc: ValueError) -> str | None:

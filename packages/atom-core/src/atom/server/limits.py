@@ -1,4 +1,5 @@
-"""Bounds a request must meet before it costs the server anything: choices and prompt size.
+"""Bounds a request must meet before it costs the server anything: choices, stop strings
+and prompt size.
 
 A text prompt is refused on its character count alone, before tokenizing, when it cannot
 fit the context: no token stands for more characters than the longest vocabulary entry,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atom.sampling_params import SamplingParams
 from atom.server.errors import APIError
 from atom.server.protocol import SamplingRequest
 
@@ -19,13 +21,14 @@ class RequestLimits:
     max_n: int
     max_model_len: int
     max_prompt_chars: int | None  # None: no tokenizer, so no text prompts at all
+    max_stop_strings: int
 
     @classmethod
-    def of(cls, tokenizer, max_model_len: int, max_n: int) -> RequestLimits:
+    def of(cls, tokenizer, max_model_len: int, max_n: int, max_stop_strings: int):
         if tokenizer is None:
-            return cls(max_n, max_model_len, None)
+            return cls(max_n, max_model_len, None, max_stop_strings)
         longest_token = max(map(len, tokenizer.get_vocab()))
-        return cls(max_n, max_model_len, max_model_len * longest_token)
+        return cls(max_n, max_model_len, max_model_len * longest_token, max_stop_strings)
 
     def check_choices(self, request: SamplingRequest, num_prompts: int) -> None:
         """n and best_of, and prompts x n, within --max-n."""
@@ -47,6 +50,16 @@ class RequestLimits:
                 f"{num_prompts} prompts x n={request.n or 1} make {choices} choices; "
                 f"the limit is {self.max_n} per request (--max-n)",
                 param="prompt",
+            )
+
+    def check_stop(self, params: SamplingParams) -> None:
+        """At most --max-stop-strings stop strings."""
+        if len(params.stop) > self.max_stop_strings:
+            raise APIError(
+                400,
+                f"stop has {len(params.stop)} strings; the limit is {self.max_stop_strings} "
+                "(--max-stop-strings)",
+                param="stop",
             )
 
     def check_prompt(self, prompt: str | list[int], param: str) -> None:

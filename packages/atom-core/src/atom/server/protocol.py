@@ -24,6 +24,7 @@ from pydantic import (
 
 from atom.sampling_params import SamplingParams
 from atom.server.guided_protocol import GuidedFields
+from atom.server.json_schema import schema_problem
 
 # The largest top-logprobs count a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -35,6 +36,8 @@ UNSUPPORTED_FIELDS = (
     "prediction",
 )  # fmt: skip
 MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
+# The roles OpenAI's chat API accepts; it refuses any other with a 400, and so does atom serve.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
@@ -133,7 +136,7 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: str
+    role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -155,6 +158,16 @@ class FunctionDefinition(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _valid_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        # OpenAI refuses a malformed schema whatever tool_choice says; without this, with
+        # tool_choice "auto", it would only mislead the model through the chat template.
+        problem = None if parameters is None else schema_problem(parameters)
+        if problem is not None:
+            raise ValueError(f"not a valid JSON schema: {problem}")
+        return parameters
 
 
 class Tool(StrictModel):
