@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from atom.bench.engines import ENGINES
-from atom.bench.run import _Clock, ensure_checkpoint
+from atom.bench.run import Clock, ensure_checkpoint
 from atom.bench.serve.metrics import Slo
 from atom.bench.serve.servers import ServerSettings, free_port, running_process, server_command
 from atom.bench.serve.sweep import Sweep, run_requests
@@ -30,7 +30,7 @@ WORKLOADS = "random:24:6,shared-prefix:2x40:8:3-9"
 def work(tmp_path_factory):
     """The suite's work folder, holding the tiny checkpoint and its tokenizer."""
     work = tmp_path_factory.mktemp("work")
-    folder = ensure_checkpoint(TINY, work, _Clock())
+    folder = ensure_checkpoint(TINY, work, Clock())
     ensure_tokenizer(folder, TINY.vocab_size)
     return work
 
