@@ -61,7 +61,7 @@ def bind(host: str, port: int) -> socket.socket:
     # Naming IPPROTO_TCP (not the default 0) is what makes asyncio set TCP_NODELAY on each
     # accepted connection: it checks the protocol number, which accepted sockets inherit.
     # Without it Nagle's algorithm meets the client's delayed ACK and every response on a
-    # kept-alive connection waits ~40 ms.
+    # kept-alive connection waits for that ACK's timer.
     listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
