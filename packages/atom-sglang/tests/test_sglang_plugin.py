@@ -343,8 +343,6 @@ def test_adapters_declare_pool_and_attention_kind():
 
     assert adapter_for(get_entry("DeepseekV2ForCausalLM")).kv_pool == "mla"
     assert adapter_for(get_entry("Qwen3ForCausalLM")).attention == "MHA"
-    assert adapter_for(get_entry("Qwen3ForCausalLM")).fuse_qk_rope
-    assert not adapter_for(get_entry("DeepseekV3ForCausalLM")).fuse_qk_rope
     assert layer_index("model.layers.11.self_attn.attn") == 11
     with pytest.raises(ValueError):
         layer_index("lm_head")
@@ -517,9 +515,9 @@ def test_backend_refuses_pools_its_kernels_cannot_read():
 
 @pytest.mark.parametrize("prefix_lens,new_lens", [([0, 5, 17], [7, 3, 1]), ([9, 30], [1, 1])])
 def test_fused_qk_rope_write_equals_rotating_first(prefix_lens, new_lens):
-    """What SglangAttention hands ATOM's backend for a fusing family (raw q/k, qk_rope,
+    """What SglangAttention hands ATOM's backend (raw q/k, its spec with qk_rope, the
     positions) gives the output and cache of rotating q/k first, then attending."""
-    from atom.layers.attention_spec import QKRope
+    from atom.layers.attention_spec import AttentionSpec, QKRope
     from atom.layers.norm import RMSNorm
     from atom.layers.rotary import RotaryEmbedding
 
@@ -539,7 +537,8 @@ def test_fused_qk_rope_write_equals_rotating_first(prefix_lens, new_lens):
         backend = make_backend(req_to_token, pool, 1)
         backend.init_forward_metadata(batch)
         if fused:
-            args, kwargs = (q, k), {"qk_rope": qk_rope, "positions": positions}
+            spec = AttentionSpec("layer", hq, hkv, d, d, d**-0.5, qk_rope=qk_rope)
+            args, kwargs = (q, k), {"spec": spec, "positions": positions}
         else:
             args, kwargs = qk_rope(positions, q, k), {}
         qa, ka = args

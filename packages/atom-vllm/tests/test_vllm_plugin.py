@@ -18,6 +18,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 import atom_vllm
 from atom.forward_context import AttentionMetadata
 from atom.kernels.paged_attention import attention_mask, dense_attention
+from atom.layers.attention_spec import AttentionSpec
 from atom.registry import supported_architectures
 from atom_vllm import model as model_module
 from atom_vllm.backend import (
@@ -122,6 +123,10 @@ def test_uncapturable_model_turns_cuda_graphs_off_in_its_engine_config(caplog):
         # Patch 3: the hybrid hook that picks the mamba cache mode from prefix caching.
         "vllm.model_executor.models.config:HybridAttentionMambaModelConfig",
         "vllm.model_executor.models.config:MambaModelConfig.verify_and_update_config",
+        # Patch 4: the layer's window, which decides its KV-cache spec.
+        "vllm.model_executor.layers.attention:Attention.get_kv_cache_spec",
+        # Read 6: vLLM's own model classes.
+        "vllm.model_executor.models.registry:_VLLM_MODELS",
     ],
 )
 def test_vllm_names_the_patches_rely_on_exist(name):
@@ -284,6 +289,14 @@ def test_metadata_builder_maps_common_metadata_onto_atom_schema():
     )
 
 
+def atom_impl(hq, d, hkv, kv_cache_dtype, **spec_fields):
+    """The impl as vLLM's `Attention` builds it, holding ATOM's spec as VllmAttention
+    hands it over."""
+    impl = AtomAttentionImpl(hq, d, d**-0.5, hkv, None, None, kv_cache_dtype)
+    impl.spec = AttentionSpec("layer", hq, hkv, d, d, d**-0.5, **spec_fields)
+    return impl
+
+
 @pytest.mark.parametrize("sliding_window", [None, 6])
 def test_impl_writes_cache_then_matches_dense_attention(sliding_window):
     torch.manual_seed(0)
@@ -305,7 +318,7 @@ def test_impl_writes_cache_then_matches_dense_attention(sliding_window):
     q = torch.randn(sum(query), hq, d)
     k_new = torch.cat([k[c:] for (k, _), c in zip(history, context)])
     v_new = torch.cat([v[c:] for (_, v), c in zip(history, context)])
-    impl = AtomAttentionImpl(hq, d, d**-0.5, hkv, None, sliding_window, "auto")
+    impl = atom_impl(hq, d, hkv, "auto", sliding_window=sliding_window)
     out = torch.empty(sum(query), hq, d)
     impl.forward(None, q, k_new, v_new, kv_cache, md, out)
     start = 0
@@ -343,12 +356,12 @@ def test_impl_rotates_with_the_positions_of_its_metadata():
         impl.forward(None, q.clone(), k.clone(), v, kv_cache, to_atom_metadata(cm), out)
         return out
 
-    fused = AtomAttentionImpl(hq, d, d**-0.5, hkv, None, None, "auto", qk_rope=rope)
-    plain = AtomAttentionImpl(hq, d, d**-0.5, hkv, None, None, "auto")
+    fused = atom_impl(hq, d, hkv, "auto", qk_rope=rope)
+    plain = atom_impl(hq, d, hkv, "auto")
     q_rot, k_rot = rope(cm.positions, q.clone(), k.clone())
     torch.testing.assert_close(run(fused, q, k), run(plain, q_rot, k_rot))
     cm.positions = None
-    with pytest.raises(RuntimeError, match="positions"):
+    with pytest.raises(ValueError, match="positions"):
         run(fused, q, k)
 
 
@@ -377,7 +390,7 @@ def test_impl_reads_an_fp8_cache_with_its_scales():
     q = torch.randn(sum(query), hq, d)
     k_new = torch.cat([k[c:] for (k, _), c in zip(history, context)])
     v_new = torch.cat([v[c:] for (_, v), c in zip(history, context)])
-    impl = AtomAttentionImpl(hq, d, d**-0.5, hkv, None, None, "fp8")
+    impl = atom_impl(hq, d, hkv, "fp8")
     impl.k_scale, impl.v_scale = k_scale, v_scale
     out = torch.empty(sum(query), hq, d)
     impl.forward(None, q, k_new, v_new, kv_cache, to_atom_metadata(cm), out)

@@ -6,11 +6,11 @@ factory)`. Each ATOM attention layer gets a module that owns an SGLang `RadixAtt
 the step's `ForwardBatch`, which the wrapper puts in ATOM's forward context. Whatever
 attention backend the engine runs (`"atom"`, or SGLang's own) does the paged-KV work.
 
-* MHA: `forward(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv]) -> [T,Hq,Dv]`. For a family whose
-  adapter fuses q/k norm + rotary into the KV write, q and k arrive raw with
-  `positions=`: under ATOM's backend they travel with the call (`RadixAttention` hands
-  extra keywords to the backend) and one kernel rotates them and writes the cache; under
-  another backend the layer rotates them first.
+* MHA: `forward(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv], positions) -> [T,Hq,Dv]`, q and k
+  raw: under ATOM's backend the layer's spec and the positions travel with the call
+  (`RadixAttention` hands extra keywords to the backend) and one kernel applies the
+  spec's q/k norm + rotary and writes the cache; under another backend the layer applies
+  them first.
 * MLA (DeepSeek): `forward(q_nope, q_pe, kv_c, k_pe) -> [T,H,Dv]`. Under ATOM's backend
   the layer runs ATOM's MLA step (`atom.layers.mla_impl.NativeMLAImpl`, as natively and
   in vLLM: latent cache write, absorbed decode, up-projected prefill) over its layer's
@@ -61,10 +61,9 @@ def current_forward_batch():
 class SglangAttention(nn.Module):
     """ATOM MHA impl contract over an SGLang `RadixAttention`."""
 
-    def __init__(self, spec: AttentionSpec, adapter: SglangAdapter):
+    def __init__(self, spec: AttentionSpec):
         super().__init__()
         self.spec = spec
-        self.fuses_qk_rope = adapter.fuse_qk_rope
         window = spec.sliding_window
         self.attn = RadixAttention(
             spec.num_heads,
@@ -97,17 +96,13 @@ class SglangAttention(nn.Module):
         self.attn.v_scale_float = value
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
-        extra = {} if self.spec.sinks is None else {"sinks": self.spec.sinks}
-        if positions is not None:
-            if isinstance(get_attn_backend(), AtomAttnBackend):
-                extra.update(qk_rope=self.spec.qk_rope, positions=positions)
-            else:
+        if isinstance(get_attn_backend(), AtomAttnBackend):
+            extra = {"spec": self.spec, "positions": positions}
+        else:  # SGLang's backend: its kernels take final q/k
+            extra = {} if self.spec.sinks is None else {"sinks": self.spec.sinks}
+            if self.spec.qk_rope is not None:
                 q, k = self.spec.qk_rope(positions, q, k)
         out = self.attn(q.reshape(q.shape[0], -1), k, v, current_forward_batch(), **extra)
         return out.view(-1, self.spec.num_heads, self.spec.v_head_dim)
@@ -128,7 +123,7 @@ class SglangMLAAttention(nn.Module):
 
     quant_method = _SplitAbsorptionWeights()
 
-    def __init__(self, spec: AttentionSpec, adapter: SglangAdapter):
+    def __init__(self, spec: AttentionSpec):
         super().__init__()
         self.spec = spec
         self.latent_dim = spec.kv_lora_rank
@@ -170,6 +165,6 @@ def sglang_attention_factory(adapter: SglangAdapter) -> ImplFactory:
             raise ValueError(
                 f"{spec.layer_name}: a {spec.kind} layer in a family adapted as {adapter.attention}"
             )
-        return layer_cls(spec, adapter)
+        return layer_cls(spec)
 
     return factory

@@ -64,8 +64,9 @@ from atom.hosts.token_table import (
 from atom.kernels import mla_decode_attention, paged_attention, write_mla_cache
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE, fp8_kv_cache_unsupported
 from atom.kernels.policy import selected_backend
+from atom.layers.attention_spec import AttentionSpec
 from atom.layers.mla_impl import NativeMLAImpl
-from atom.layers.paged_attention_impl import write_kv_and_attend
+from atom.layers.paged_attention_impl import PagedKVCache, write_kv_and_attend
 
 BACKEND_NAME = "atom"
 logger = logging.getLogger("sglang.atom_sglang.backend")
@@ -77,6 +78,22 @@ def atom_sliding_window(sglang_window: int | None) -> int | None:
     if sglang_window is None or sglang_window < 0:
         return None
     return sglang_window + 1
+
+
+def radix_attention_spec(layer: Any, sinks: torch.Tensor | None) -> AttentionSpec:
+    """The spec of one of SGLang's own `RadixAttention` layers (the backend serves SGLang's
+    models too): its shape and settings in ATOM's terms."""
+    return AttentionSpec(
+        layer_name=f"layer {layer.layer_id}",
+        num_heads=layer.tp_q_head_num,
+        num_kv_heads=layer.tp_k_head_num,
+        head_dim=layer.qk_head_dim,
+        v_head_dim=layer.v_head_dim,
+        scale=layer.scaling,
+        sliding_window=atom_sliding_window(layer.sliding_window_size),
+        logits_soft_cap=layer.logit_cap or None,
+        sinks=sinks,
+    )
 
 
 def translate_pages(
@@ -315,51 +332,47 @@ class AtomAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._attend(q, k, v, layer, save_kv_cache, **kwargs)
 
-    def _attend(
-        self, q, k, v, layer, save_kv_cache: bool, qk_rope=None, positions=None, sinks=None
-    ):
-        """`qk_rope` and `positions` (from `SglangAttention` of a fusing family): q and k
-        are raw, and rotate in the kernel that writes the cache. `sinks`: the layer's
-        per-head attention-sink logits (GPT-OSS), as SGLang's backends take them."""
+    def _attend(self, q, k, v, layer, save_kv_cache: bool, spec=None, positions=None, sinks=None):
+        """`spec` and `positions`: an ATOM layer's (`SglangAttention`), whose spec holds
+        its window, soft cap, sinks and q/k rope (q and k arrive raw and rotate in the
+        kernel that writes the cache). SGLang's own layers pass neither: their settings
+        are the `RadixAttention`'s, and `sinks` their per-head attention-sink logits
+        (GPT-OSS), as SGLang's backends take them."""
         metadata = self._step_metadata(layer.layer_id)
         if self.is_mla:
             return self._attend_mla(q, k, layer, metadata, save_kv_cache)
         if layer.logit_capping_method not in (None, "tanh"):
             raise NotImplementedError(f"logit capping {layer.logit_capping_method!r}")
-        key_cache = paged_view(self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.page_size)
-        value_cache = paged_view(
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.page_size
+        if spec is None:
+            spec = radix_attention_spec(layer, sinks)
+        cache = PagedKVCache(
+            paged_view(self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.page_size),
+            paged_view(self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.page_size),
+            layer.k_scale_float or 1.0,
+            layer.v_scale_float or 1.0,
         )
         n = metadata.num_tokens
         q_heads = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)[:n]
-        attention = {
-            "sliding_window": atom_sliding_window(layer.sliding_window_size),
-            "logits_soft_cap": layer.logit_cap or None,
-            "sinks": sinks,
-            "k_scale": layer.k_scale_float or 1.0,
-            "v_scale": layer.v_scale_float or 1.0,
-        }
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         if save_kv_cache and k is not None:
             write_kv_and_attend(
                 q_heads,
                 k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)[:n],
                 v.view(-1, layer.tp_v_head_num, layer.v_head_dim)[:n],
-                key_cache,
-                value_cache,
+                cache,
                 metadata,
-                layer.scaling,
-                qk_rope=qk_rope,
-                positions=positions[:n] if positions is not None else None,
+                spec,
+                positions[:n] if positions is not None else None,
                 out=out[:n],
-                **attention,
             )
         else:
-            if positions is not None:
+            if spec.qk_rope is not None:
                 raise ValueError("ATOM's backend rotates q/k only while writing the KV cache")
             paged_attention(
-                q_heads, key_cache, value_cache, metadata, layer.scaling, out=out[:n], **attention
-            )
+                q_heads, cache.key, cache.value, metadata, spec.scale,
+                sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+                sinks=spec.sinks, out=out[:n], k_scale=cache.k_scale, v_scale=cache.v_scale,
+            )  # fmt: skip
         return out.view(q.shape[0], -1)
 
     def _step_metadata(self, layer_id: int) -> AttentionMetadata:

@@ -48,36 +48,32 @@ from atom_vllm.backend import (
     AtomMLABackend,
     cache_dtype_problem,
 )
+from atom_vllm.patches import full_attention_in_a_windowed_model, register_layer
 
 
 class VllmAttention(nn.Module):
-    """ATOM impl contract: (q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv]) -> [T,Hq,Dv], with raw
-    q/k and `positions=` for a layer with `spec.qk_rope` (AtomAttentionImpl fuses it)."""
-
-    fuses_qk_rope = True
+    """ATOM's `AttentionImpl` in vLLM: a vLLM `Attention` layer whose impl
+    (`AtomAttentionImpl`) holds this layer's spec."""
 
     def __init__(self, spec: AttentionSpec, cache_config: Any):
         super().__init__()
         self.spec = spec
+        # What vLLM itself needs: the cache shape, and the window, which decides the
+        # pages its KV-cache manager keeps.
         self.attn = Attention(
             spec.num_heads,
             spec.head_dim,
             spec.scale,
             num_kv_heads=spec.num_kv_heads,
             cache_config=cache_config,
-            logits_soft_cap=spec.logits_soft_cap,
             per_layer_sliding_window=spec.sliding_window,
             prefix=spec.layer_name,
             attn_backend=AtomAttentionBackend,
             head_size_v=spec.v_head_dim if spec.v_head_dim != spec.head_dim else None,
-            qk_rope=spec.qk_rope,
-            sinks=spec.sinks,
         )
+        self.attn.impl.spec = spec
         if spec.sliding_window is None and self.attn.sliding_window is not None:
-            # vLLM falls back to the model-wide window; ATOM's spec is per layer and
-            # says this layer attends to everything.
-            self.attn.sliding_window = None
-            self.attn.impl.sliding_window = None
+            full_attention_in_a_windowed_model(self.attn)
 
     # The per-tensor fp8 KV-cache scales live on ATOM's impl: vLLM resets its own layer's
     # scales after loading when the checkpoint has no quantization config.
@@ -98,11 +94,7 @@ class VllmAttention(nn.Module):
         self.attn.impl.v_scale = value
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
         spec = self.spec
         # vLLM's op carries only q, k, v: the impl takes this step's positions from its
@@ -148,10 +140,7 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
         self.impl = NativeMLAImpl(spec)  # ATOM's: kernels + W_UK/W_UV absorption
         self.kv_cache = torch.tensor([])  # bound by vLLM (bind_kv_cache)
         self.num_calls = 0
-        context = vllm_config.compilation_config.static_forward_context
-        if self.layer_name in context:
-            raise ValueError(f"Duplicate layer name: {self.layer_name}")
-        context[self.layer_name] = self
+        register_layer(vllm_config, self.layer_name, self)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return AtomMLABackend

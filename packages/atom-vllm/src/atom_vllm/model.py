@@ -41,7 +41,7 @@ from atom.registry import UnsupportedArchitectureError, get_entry
 from atom_vllm.attention_layer import vllm_attention_factory
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
 from atom_vllm.distributed import install_vllm_tp_group
-from atom_vllm.patches import cuda_graphs_off
+from atom_vllm.patches import cuda_graphs_off, vllm_model_location
 from atom_vllm.state_layer import vllm_state_factory
 
 logger = init_logger("vllm.atom_vllm.model")
@@ -51,15 +51,10 @@ ATOM_MODEL_ATTR = "atom_model"
 
 def vllm_model_class(architecture: str) -> type[nn.Module]:
     """vLLM's own class for an architecture (what ATOM's registration replaced)."""
-    from vllm.model_executor.models import registry
-
-    try:
-        relname, class_name = registry._VLLM_MODELS[architecture]
-    except KeyError:
-        raise UnsupportedVllmFeature(
-            f"vLLM has no implementation of its own for {architecture}"
-        ) from None
-    module = relname if relname.startswith("vllm.") else f"vllm.model_executor.models.{relname}"
+    location = vllm_model_location(architecture)
+    if location is None:
+        raise UnsupportedVllmFeature(f"vLLM has no implementation of its own for {architecture}")
+    module, class_name = location
     return getattr(importlib.import_module(module), class_name)
 
 

@@ -30,6 +30,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from atom.layers.gated_delta_net import GatedDeltaNet, StepState
 from atom_vllm.attention_layer import step_metadata
 from atom_vllm.backend import AtomStateBackend
+from atom_vllm.patches import register_layer
 
 
 class VllmStateLayer(nn.Module, MambaBase):
@@ -43,10 +44,7 @@ class VllmStateLayer(nn.Module, MambaBase):
         self.state_dtypes = tuple(dtype for _, dtype in shapes)
         self.kv_cache = ()  # bound by vLLM (MambaBase.bind_kv_cache)
         self.num_calls = 0
-        context = vllm_config.compilation_config.static_forward_context
-        if self.layer_name in context:
-            raise ValueError(f"Duplicate layer name: {self.layer_name}")
-        context[self.layer_name] = self
+        register_layer(vllm_config, self.layer_name, self)
 
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
         return self.state_shapes
