@@ -36,7 +36,7 @@ def test_mha_backend_matches_dense_attention(page_size, prefix_lens, new_lens, w
     v_new = torch.cat([v[p:] for (_, v), p in zip(hist, prefix_lens)])
     q = torch.randn(sum(new_lens), hq, d)
     backend.init_forward_metadata(batch)
-    md = backend.forward_metadata
+    md = backend.step_metadata
     assert md.num_decodes == (batch.batch_size if batch.forward_mode.is_decode() else 0)
     out = backend.forward(
         q.flatten(1), k_new.flatten(1), v_new.flatten(1), layer(hq, hkv, d, d, window), batch
@@ -91,12 +91,15 @@ def test_backend_refuses_pools_its_kernels_cannot_read():
 
 
 @pytest.mark.parametrize("prefix_lens,new_lens", [([0, 5, 17], [7, 3, 1]), ([9, 30], [1, 1])])
-def test_fused_qk_rope_write_equals_rotating_first(prefix_lens, new_lens):
-    """What SglangAttention hands ATOM's backend (raw q/k, its spec with qk_rope, the
-    positions) gives the output and cache of rotating q/k first, then attending."""
+def test_atom_layer_route_equals_sglang_layer_route(prefix_lens, new_lens):
+    """An ATOM layer under ATOM's backend (raw q/k; its spec's q/k norm + rotary fused
+    with the cache write; the step's metadata from ATOM's forward context) gives the
+    output and cache of SGLang's own layer route through the backend, q/k rotated first."""
+    from atom.forward_context import set_forward_context
     from atom.layers.attention_spec import AttentionSpec, QKRope
     from atom.layers.norm import RMSNorm
     from atom.layers.rotary import RotaryEmbedding
+    from atom_sglang.attention_layer import SglangAttention
 
     torch.manual_seed(2)
     hq, hkv, d = 4, 2, 32
@@ -108,21 +111,25 @@ def test_fused_qk_rope_write_equals_rotating_first(prefix_lens, new_lens):
     q = torch.randn(sum(new_lens), hq, d)
     k, v = torch.randn(sum(new_lens), hkv, d), torch.randn(sum(new_lens), hkv, d)
     runs = {}
-    for fused in (False, True):
+    for atom_route in (False, True):
         req_to_token, batch = make_batch(prefix_lens, new_lens, 1, 256)
         pool = FakePool(256, hkv, d, d, 1)
         backend = make_backend(req_to_token, pool, 1)
         backend.init_forward_metadata(batch)
-        if fused:
-            spec = AttentionSpec("layer", hq, hkv, d, d, d**-0.5, qk_rope=qk_rope)
-            args, kwargs = (q, k), {"spec": spec, "positions": positions}
+        if atom_route:
+            spec = AttentionSpec(
+                "model.layers.0.self_attn.attn", hq, hkv, d, d, d**-0.5, qk_rope=qk_rope
+            )
+            impl = SglangAttention(spec)
+            impl.bind_kv_pool(pool, 1, 0)
+            with set_forward_context(backend.step_metadata):
+                out = impl(q.clone(), k.clone(), v, positions)
         else:
-            args, kwargs = qk_rope(positions, q, k), {}
-        qa, ka = args
-        out = backend.forward(
-            qa.flatten(1), ka.flatten(1), v.flatten(1), layer(hq, hkv, d, d), batch, **kwargs
-        )
-        runs[fused] = (out, pool.k[batch.out_cache_loc])
+            qr, kr = qk_rope(positions, q.clone(), k.clone())
+            out = backend.forward(
+                qr.flatten(1), kr.flatten(1), v.flatten(1), layer(hq, hkv, d, d), batch
+            )
+        runs[atom_route] = (out.reshape(out.shape[0], -1), pool.k[batch.out_cache_loc])
     torch.testing.assert_close(runs[True], runs[False], rtol=1e-5, atol=1e-5)
 
 
@@ -175,3 +182,12 @@ def test_mla_backend_reads_an_fp8_latent_pool(prefix_lens, new_lens):
         q, [(r, r[..., :latent]) for r in read], prefix_lens, new_lens, (latent + rope) ** -0.5
     )
     torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-5)
+
+
+def test_impls_satisfy_atoms_protocols():
+    from atom.layers.attention_impl import AttentionImpl, MLAImpl
+    from atom.testing.contract import contract_problems
+    from atom_sglang.attention_layer import SglangAttention, SglangMLAAttention
+
+    assert contract_problems(SglangAttention, AttentionImpl) == []
+    assert contract_problems(SglangMLAAttention, MLAImpl) == []

@@ -22,6 +22,10 @@ from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+from atom.forward_context import set_forward_context
+from atom.layers.attention_spec import AttentionSpec
+from atom_sglang.attention_layer import SglangAttention
+
 
 def test_decode_cuda_graph_metadata_matches_eager():
     """The static-buffer path (capture/replay) attends exactly like the eager one."""
@@ -43,16 +47,16 @@ def test_decode_cuda_graph_metadata_matches_eager():
     backend.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
     backend.init_forward_metadata_out_graph(batch, in_capture=True)
-    buffers = backend.graph_buffers
-    assert backend.forward_metadata.block_table.data_ptr() == buffers["block_table"].data_ptr()
+    buffers = backend.builder.graph_buffers
+    assert backend.step_metadata.block_table.data_ptr() == buffers["block_table"].data_ptr()
     graphed = backend.forward(
         q.flatten(1), k_new.flatten(1), v_new.flatten(1), layer(hq, hkv, d, d), batch
     )
     torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
     # A replay refills the buffers and keeps the metadata built at capture.
-    captured = backend.forward_metadata
+    captured = backend.step_metadata
     backend.init_forward_metadata_out_graph(batch)
-    assert backend.forward_metadata is captured
+    assert backend.step_metadata is captured
 
 
 SLIDING_LAYER, FULL_LAYER = 0, 1
@@ -152,6 +156,17 @@ def test_hybrid_swa_pool_sliding_layers_attend_in_the_sliding_pool(
     assert (sliding_slots > 0).all()
     torch.testing.assert_close(pool.get_key_buffer(SLIDING_LAYER)[sliding_slots], k_new)
     torch.testing.assert_close(pool.get_value_buffer(FULL_LAYER)[batch.out_cache_loc], v_new)
+    # ATOM's own layers: the step's one metadata in ATOM's forward context, a sliding
+    # layer reading its KV-cache group (the translated tables), the same results.
+    for layer_id, seen in ((SLIDING_LAYER, window), (FULL_LAYER, None)):
+        spec = AttentionSpec(
+            f"model.layers.{layer_id}.self_attn.attn", hq, hkv, d, d, d**-0.5, sliding_window=seen
+        )
+        impl = SglangAttention(spec)
+        impl.bind_kv_pool(pool, page_size, backend.builder.kv_group(layer_id))
+        with set_forward_context(backend.step_metadata):
+            out = impl(q, k_new.clone(), v_new, None)
+        torch.testing.assert_close(out.view_as(eager[layer_id]), eager[layer_id], rtol=0, atol=0)
     if batch.forward_mode.is_decode():
         backend.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
         backend.init_forward_metadata_out_graph(batch, in_capture=True)

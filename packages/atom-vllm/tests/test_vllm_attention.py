@@ -8,6 +8,7 @@ import torch
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm_steps import common_metadata
 
+from atom.forward_context import set_forward_context
 from atom.kernels.paged_attention import attention_mask, dense_attention
 from atom.layers.attention_spec import AttentionSpec
 from atom_vllm.backend import (
@@ -64,7 +65,8 @@ def test_impl_writes_cache_then_matches_dense_attention(sliding_window):
     v_new = torch.cat([v[c:] for (_, v), c in zip(history, context)])
     impl = atom_impl(hq, d, hkv, "auto", sliding_window=sliding_window)
     out = torch.empty(sum(query), hq, d)
-    impl.forward(None, q, k_new, v_new, kv_cache, md, out)
+    with set_forward_context(md):
+        impl.forward(None, q, k_new, v_new, kv_cache, md, out)
     start = 0
     for (k, v), c, n in zip(history, context, query):
         positions = torch.arange(c, c + n)
@@ -97,7 +99,9 @@ def test_impl_rotates_with_the_positions_of_its_metadata():
     def run(impl, q, k):
         kv_cache = torch.zeros(nb, bs, hkv, 2 * d).transpose(1, 2)
         out = torch.empty(8, hq, d)
-        impl.forward(None, q.clone(), k.clone(), v, kv_cache, to_atom_metadata(cm), out)
+        md = to_atom_metadata(cm)
+        with set_forward_context(md):
+            impl.forward(None, q.clone(), k.clone(), v, kv_cache, md, out)
         return out
 
     fused = atom_impl(hq, d, hkv, "auto", qk_rope=rope)
@@ -137,7 +141,9 @@ def test_impl_reads_an_fp8_cache_with_its_scales():
     impl = atom_impl(hq, d, hkv, "fp8")
     impl.k_scale, impl.v_scale = k_scale, v_scale
     out = torch.empty(sum(query), hq, d)
-    impl.forward(None, q, k_new, v_new, kv_cache, to_atom_metadata(cm), out)
+    md = to_atom_metadata(cm)
+    with set_forward_context(md):
+        impl.forward(None, q, k_new, v_new, kv_cache, md, out)
     start = 0
     for (k, v), c, n in zip(history, context, query):
         mask = attention_mask(torch.arange(c, c + n), c + n, None)
@@ -162,3 +168,12 @@ def test_mla_backend_declares_latent_cache():
     assert AtomMLABackend.get_builder_cls() is AtomMLAMetadataBuilder
     assert AtomMLAMetadataBuilder.reorder_batch_threshold == 1
     assert not AtomMLABackend.supports_pcp()  # get_impl_cls: ATOM's impl, not vLLM's
+
+
+def test_impls_satisfy_atoms_protocols():
+    from atom.layers.attention_impl import AttentionImpl, MLAImpl
+    from atom.testing.contract import contract_problems
+    from atom_vllm.attention_layer import VllmAttention, VllmMLAAttention
+
+    assert contract_problems(VllmAttention, AttentionImpl) == []
+    assert contract_problems(VllmMLAAttention, MLAImpl) == []

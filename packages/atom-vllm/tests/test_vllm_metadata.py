@@ -24,3 +24,46 @@ def test_metadata_builder_maps_common_metadata_onto_atom_schema():
     assert md.block_table is cm.block_table_tensor or torch.equal(
         md.block_table, cm.block_table_tensor
     )
+
+
+def test_bridge_makes_one_metadata_of_every_kv_cache_group():
+    """vLLM gives each KV-cache group its own metadata object (a sliding-window group and
+    several state groups here); the bridge numbers the groups in ATOM's layer order, tells
+    each layer its group, and puts every group's tables into one object with the
+    positions the model was called with."""
+    from types import SimpleNamespace
+
+    from atom.hosts.state import with_state_slots
+    from atom_vllm.step import StepBridge
+
+    full = to_atom_metadata(common_metadata([1, 3], [5, 0], 4, 64, seed=1))
+    window = to_atom_metadata(common_metadata([1, 3], [5, 0], 4, 64, seed=2))
+    states = [
+        with_state_slots(
+            to_atom_metadata(common_metadata([1, 3], [5, 0], 4, 64, seed=seed)),
+            torch.tensor([seed, seed + 1]),
+            torch.tensor([5, 0]),
+        )
+        for seed in (3, 4)
+    ]
+    layers = ["l0.linear", "l1.attn", "l2.linear", "l3.attn"]
+    per_layer = dict(zip(layers, [states[0], full, states[1], window]))
+    members = [SimpleNamespace(layer_name=name, kv_group=None) for name in layers]
+    bridge = StepBridge(members)
+    positions = torch.tensor([5, 0, 1, 2])
+    step = bridge.combine(per_layer, positions)
+    assert [m.kv_group for m in members] == [0, 1, 2, 3]
+    assert step.positions is positions
+    for member in members:
+        group = per_layer[member.layer_name]
+        seen = step.for_kv_group(member.kv_group)
+        assert seen.block_table is group.block_table
+        assert seen.slot_mapping is group.slot_mapping
+        if group.state_slots is not None:
+            assert seen.state_slots is group.state_slots
+    assert step.has_initial_state.tolist() == [True, False]
+    assert bridge.combine({}, positions) is None and bridge.combine(None, positions) is None
+    # Later steps: the same numbering, without asking the layers again.
+    members[0].kv_group = "unchanged"
+    assert bridge.combine(per_layer, positions).for_kv_group(3).block_table is window.block_table
+    assert members[0].kv_group == "unchanged"
