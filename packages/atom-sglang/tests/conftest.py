@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,3 +28,56 @@ def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
     from atom.testing import host_checkpoints
 
     return host_checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """register() as in a new process; SGLang's registries restored afterwards."""
+    from sglang.srt.arg_groups import resolution_hooks
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    import atom_sglang
+    from atom_sglang import guard
+    from atom_sglang.patches import SUPPORT_TRITON
+
+    models = dict(ModelRegistry.models)
+    backends = dict(ATTENTION_BACKENDS)
+    choices = list(ATTENTION_BACKEND_CHOICES)
+    steps = {name: list(hooks) for name, hooks in resolution_hooks._HOOKS.items()}
+    monkeypatch.setattr(atom_sglang, "_registered", None)
+    monkeypatch.setattr(guard, "_installed", False)
+    for name in ("ATOM_DISABLE_SGLANG_PLUGIN", "ATOM_SGLANG_BACKEND_ONLY"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    ModelRegistry.models.clear()
+    ModelRegistry.models.update(models)
+    ATTENTION_BACKENDS.clear()
+    ATTENTION_BACKENDS.update(backends)
+    ATTENTION_BACKEND_CHOICES[:] = choices
+    resolution_hooks._HOOKS.clear()
+    resolution_hooks._HOOKS.update(steps)
+    HookRegistry._hooks.pop(SUPPORT_TRITON, None)
+
+
+@pytest.fixture
+def root_logging():
+    """SGLang's launch paths reconfigure the root logger (basicConfig(force=True))."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+UNSUPPORTED_VERSION = "0.5.17"
+
+
+@pytest.fixture
+def unsupported_sglang(fresh_plugin, monkeypatch):
+    """The installed SGLang as register() sees it: 0.5.17, below the tested range."""
+    import atom_sglang
+
+    monkeypatch.setattr(atom_sglang, "sglang_version", lambda: UNSUPPORTED_VERSION)

@@ -1,5 +1,5 @@
-"""The hybrid-model pieces over SGLang's real mamba pool, without an engine: the atom
-backend's per-step state rows, and the views ATOM's Gated DeltaNet ops get of the pool."""
+"""The hybrid-model pieces over SGLang's real mamba pool, without an engine: the state
+rows in the step's metadata, and the views ATOM's Gated DeltaNet ops get of the pool."""
 
 from __future__ import annotations
 
@@ -74,11 +74,10 @@ def test_backend_gives_each_request_its_mamba_row():
         extend_seq_lens_cpu=new_lens,
     )
     backend.init_forward_metadata(batch)
-    md = backend.state_metadata
+    md = backend.step_metadata
     assert md.state_slots.tolist() == mamba_rows.tolist()
     # The first chunk starts from zeros; a later chunk and a cached prefix continue.
     assert md.has_initial_state.tolist() == [False, True, True]
-    assert backend.forward_metadata.state_slots is None  # attention layers' metadata as before
 
 
 def test_layer_views_alias_sglang_rows_in_atom_layout():

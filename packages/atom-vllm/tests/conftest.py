@@ -22,3 +22,29 @@ def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
     from atom.testing import host_checkpoints
 
     return host_checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """register() as in a new process; vLLM's registry and backend overrides restored after."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    import atom_vllm
+
+    models = dict(ModelRegistry.models)
+    config_hooks = dict(MODELS_CONFIG_MAP)
+    custom = AttentionBackendEnum.CUSTOM
+    override = custom.get_path() if custom.is_overridden() else None
+    monkeypatch.setattr(atom_vllm, "_registered", None)
+    monkeypatch.delenv("ATOM_DISABLE_VLLM_PLUGIN", raising=False)
+    yield
+    ModelRegistry.models.clear()
+    ModelRegistry.models.update(models)
+    MODELS_CONFIG_MAP.clear()
+    MODELS_CONFIG_MAP.update(config_hooks)
+    if override is None:
+        custom.clear_override()
+    else:
+        register_backend(custom, override)

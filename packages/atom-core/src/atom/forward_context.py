@@ -1,8 +1,10 @@
 """The host-neutral description of one forward step (docs/architecture.md).
 
-Every host (native engine, vLLM, SGLang) fills the same `AttentionMetadata`; the
-attention layers read it through `get_forward_context()` and never learn which host
-runs them.
+Every host's bridge (the native engine's model runner, atom_vllm.step, atom_sglang's
+metadata builder) fills one complete `AttentionMetadata` per step (every KV-cache group,
+the state slots of linear-attention layers, the tokens' positions) and sets it with
+`set_forward_context`; ATOM's impls read only that (`get_forward_context()`) and never
+learn which host runs them.
 """
 
 from __future__ import annotations
@@ -11,9 +13,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class KVGroupTables(NamedTuple):
+    """Where the layers of one KV-cache group keep their pages: each sequence's block table,
+    each new token's slot, and, for a group of state layers whose host gives every group
+    its own rows (vLLM's mamba groups), each sequence's state row."""
+
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    state_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -24,13 +36,14 @@ class AttentionMetadata:
     seq_lens:        [B] int32, cached context + new tokens per sequence.
     block_table:     [B, max_blocks] int32, KV page ids per sequence.
     slot_mapping:    [T] int64, cache slot of each new token (-1: padding, not written).
-    positions:       [T] int64, position of each new token; set by hosts whose attention
-                     op carries only q/k/v (vLLM), for impls that rotate q/k in the
-                     kernel that writes the cache.
-    kv_group_tables: one (block_table, slot_mapping) per KV-cache group, where the
-                     layers keep different pages (the native engine's sliding-window
-                     layers keep only their window's); entry 0 is block_table and
-                     slot_mapping. None: every layer reads those two.
+    positions:       [T] int64, position of each new token (what the model was called
+                     with); set by hosts whose attention op carries only q/k/v (vLLM),
+                     for impls that rotate q/k in the kernel that writes the cache.
+    kv_group_tables: one `KVGroupTables` (or (block_table, slot_mapping) pair) per
+                     KV-cache group, where the layers keep different pages (sliding-window
+                     layers keep only their window's: the native engine's window groups,
+                     SGLang's sliding-window pool, vLLM's groups); entry 0 is block_table
+                     and slot_mapping. None: every layer reads those two.
     state_slots:     [B] int32, each sequence's row in the per-request state pools of
                      hybrid models (Gated DeltaNet conv + recurrent states); None otherwise.
     has_initial_state: [B] bool, whether that row holds the sequence's state so far (False:
@@ -49,7 +62,7 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
     positions: torch.Tensor | None = None
-    kv_group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    kv_group_tables: tuple[KVGroupTables | tuple[torch.Tensor, torch.Tensor], ...] | None = None
     state_slots: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
     _group_views: dict[int, AttentionMetadata] = field(
@@ -57,8 +70,9 @@ class AttentionMetadata:
     )
 
     def for_kv_group(self, group: int) -> AttentionMetadata:
-        """The step as a layer of KV-cache group `group` sees it: that group's block table
-        and slot mapping (built once per step and group; every layer of the group asks)."""
+        """The step as a layer of KV-cache group `group` sees it: that group's block table,
+        slot mapping and (where the group has its own) state rows, built once per step and
+        group (every layer of the group asks)."""
         if group == 0:
             return self
         view = self._group_views.get(group)
@@ -69,8 +83,14 @@ class AttentionMetadata:
                     f"kv_group={group}: the step's metadata has tables for {num_groups} "
                     "KV-cache group(s) (kv_group_tables)"
                 )
-            table, slots = self.kv_group_tables[group]
-            view = replace(self, block_table=table, slot_mapping=slots, kv_group_tables=None)
+            tables = KVGroupTables(*self.kv_group_tables[group])
+            view = replace(
+                self,
+                block_table=tables.block_table,
+                slot_mapping=tables.slot_mapping,
+                state_slots=self.state_slots if tables.state_slots is None else tables.state_slots,
+                kv_group_tables=None,
+            )
             self._group_views[group] = view
         return view
 
@@ -148,8 +168,9 @@ class AttentionMetadata:
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None = None
-    # Host-specific extras (e.g. a vLLM or SGLang batch object) that a host's own
-    # AttentionImpl may need; ATOM's layers never read them.
+    # What a host's own attention backend needs where it runs ATOM's layers instead of
+    # ATOM's impls (SGLang's ForwardBatch for its RadixAttention); ATOM's impls never
+    # read them.
     extras: dict[str, Any] = field(default_factory=dict)
 
 

@@ -7,19 +7,24 @@ CPU (TRITON_INTERPRET=1, fp32), and are skipped otherwise (CI).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
-from atom.forward_context import AttentionMetadata, set_forward_context
+from atom.forward_context import AttentionMetadata, get_forward_context, set_forward_context
 from atom.kernels.fused_qkv import fused_qkv_rope_write_kv, fused_qkv_rope_write_kv_torch
 from atom.kernels.norm import rms_norm_torch
 from atom.kernels.rotary import apply_rotary_emb_torch, compute_cos_sin_cache
 from atom.layers.attention import Attention, attention_backend
 from atom.layers.attention_spec import QKRope
 from atom.layers.norm import RMSNorm
-from atom.layers.paged_attention_impl import NativeAttentionImpl
+from atom.layers.paged_attention_impl import (
+    NativeAttentionImpl,
+    PagedKVCache,
+    write_kv_and_attend,
+)
 from atom.layers.rotary import RotaryEmbedding
 
 if torch.cuda.is_available():
@@ -179,15 +184,21 @@ def test_norm_weights_come_in_pairs():
 
 
 class UnfusedImpl(NativeAttentionImpl):
-    """The native impl behind the plain (q, k, v) contract, as an impl without fusion."""
+    """The path of a host kernel that cannot fuse: q/k normalised and rotated by the
+    spec's QKRope first, then the native step over the spec without it."""
 
-    fuses_qk_rope = False
+    def forward(self, q, k, v, positions):
+        q, k = self.spec.qk_rope(positions, q, k)
+        plain = dataclasses.replace(self.spec, qk_rope=None)
+        cache = PagedKVCache(self.key_cache, self.value_cache)
+        metadata = get_forward_context().attn_metadata
+        return write_kv_and_attend(q, k, v, cache, metadata, plain, positions)
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_attention_layer_fused_path_equals_unfused(qk_norm):
-    """The layer hands raw q/k + positions to a fusing impl, and rotates them itself for
-    an impl that does not fuse: same output and same cache either way."""
+    """The native impl rotates q/k in its KV-cache write; rotating them first and writing
+    them as they are gives the same output and the same cache."""
     heads, kv_heads, head_dim, block_size = 4, 2, 32, 4
     rope = RotaryEmbedding(head_dim, head_dim, 64, 10000.0)
     norms = [RMSNorm(head_dim, 1e-6) for _ in range(2)] if qk_norm else [None, None]
@@ -205,8 +216,7 @@ def test_attention_layer_fused_path_equals_unfused(qk_norm):
         cached = torch.randn(3, block_size, kv_heads, head_dim, generator=gen)
         with attention_backend(impl_cls):
             layer = Attention(heads, head_dim, 0.2, kv_heads, "layer", qk_rope=qk_rope)
-        assert layer.fuses_qk_rope == impl_cls.fuses_qk_rope
-        layer.impl.bind_kv_cache(cached.clone(), cached.clone())
+        layer.impl.bind_kv_cache((cached.clone(), cached.clone()))
         with set_forward_context(metadata):
             out = layer(q.flatten(1), k.flatten(1), v.flatten(1), positions)
         results.append((out, layer.impl.key_cache, layer.impl.value_cache))

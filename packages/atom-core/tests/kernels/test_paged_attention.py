@@ -276,7 +276,7 @@ def test_attention_layer_uses_the_models_sinks():
     k = torch.randn(4, KV_HEADS, head_dim, generator=gen)
     v = torch.randn(4, KV_HEADS, head_dim, generator=gen)
     cache = torch.randn(3, block_size, KV_HEADS, head_dim, generator=gen)
-    layer.impl.bind_kv_cache(cache.clone(), cache.clone())
+    layer.impl.bind_kv_cache((cache.clone(), cache.clone()))
     with set_forward_context(metadata):
         got = layer(q.flatten(1), k.flatten(1), v.flatten(1))
     want = paged_attention_torch(

@@ -9,9 +9,6 @@ the registry entry's attention kind:
   `[slots, Hkv, D]`; "mla": one latent row `[slots, 1, L + R]`, DeepSeek's compressed
   cache). SGLang decides the pool from the architecture name; the wrapper checks that
   its decision is this one before building anything.
-* `fuse_qk_rope`: the family's q/k norm + rotary (`atom.layers.attention_spec.QKRope`:
-  Qwen3's per-head RMSNorm, then rotary) runs in the kernel that writes the KV cache
-  when ATOM's backend serves the layer (`atom_sglang.attention_layer.SglangAttention`).
 """
 
 from __future__ import annotations
@@ -25,13 +22,10 @@ from atom.registry import ModelEntry
 class SglangAdapter:
     attention: str  # "MHA" | "MLA"
     kv_pool: str  # "mha" | "mla"
-    fuse_qk_rope: bool = False
 
 
-# A layer without `spec.qk_rope` is rotated by ATOM's layer itself, so fusing is only
-# ever an offer: every MHA family takes it.
 BY_ATTENTION = {
-    "MHA": SglangAdapter(attention="MHA", kv_pool="mha", fuse_qk_rope=True),
+    "MHA": SglangAdapter(attention="MHA", kv_pool="mha"),
     "MLA": SglangAdapter(attention="MLA", kv_pool="mla"),
 }
 

@@ -1,42 +1,46 @@
-"""The impl modules ATOM's attention layers get inside SGLang: `RadixAttention` owners.
+"""The impls ATOM's attention layers get inside SGLang, over SGLang's KV pool.
 
 The wrapper builds the ATOM model inside `atom.layers.attention.attention_backend(
-factory)`. Each ATOM attention layer gets a module that owns an SGLang `RadixAttention`
-(numbered like SGLang's own layers, so it indexes SGLang's KV pool) and calls it with
-the step's `ForwardBatch`, which the wrapper puts in ATOM's forward context. Whatever
-attention backend the engine runs (`"atom"`, or SGLang's own) does the paged-KV work.
+factory)`. Each ATOM attention layer gets an impl that owns an SGLang `RadixAttention`
+(numbered like SGLang's own layers, so SGLang sizes its pools and sliding-window
+bookkeeping for it), and that the wrapper binds to SGLang's KV pool and to its KV-cache
+group (`bind_kv_pool`) the first time ATOM's backend runs a step.
 
-* MHA: `forward(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv]) -> [T,Hq,Dv]`. For a family whose
-  adapter fuses q/k norm + rotary into the KV write, q and k arrive raw with
-  `positions=`: under ATOM's backend they travel with the call (`RadixAttention` hands
-  extra keywords to the backend) and one kernel rotates them and writes the cache; under
-  another backend the layer rotates them first.
-* MLA (DeepSeek): `forward(q_nope, q_pe, kv_c, k_pe) -> [T,H,Dv]`. Under ATOM's backend
-  the layer runs ATOM's MLA step (`atom.layers.mla_impl.NativeMLAImpl`, as natively and
-  in vLLM: latent cache write, absorbed decode, up-projected prefill) over its layer's
-  rows of SGLang's `MLATokenToKVPool`, with the step's metadata. Under another backend it
-  calls SGLang's attention in SGLang's absorbed form: q_nope through W_UK into the latent
-  space, the cached row is latent + rope key, the latent output goes through W_UV.
-  Either way W_UK / W_UV are the impl's split of kv_b_proj.
+Under ATOM's backend (`attention_backend="atom"`) the wrapper puts the step's one
+complete `AttentionMetadata` into ATOM's forward context, and the impl runs ATOM's step
+over its layer's buffers in the pool, reading only that metadata:
+
+* MHA: `forward(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv], positions) -> [T,Hq,Dv]`, q and k
+  raw: `write_kv_and_attend` with the layer's spec (one kernel applies the spec's q/k
+  norm + rotary and writes the cache).
+* MLA (DeepSeek): `forward(q_nope, q_pe, kv_c, k_pe) -> [T,H,Dv]`: ATOM's MLA step
+  (`atom.layers.mla_impl.NativeMLAImpl.attend`, as natively and in vLLM: latent cache
+  write, absorbed decode, up-projected prefill).
+
+Under another backend (SGLang's own) the metadata is not ATOM's to build: the wrapper
+puts SGLang's `ForwardBatch` into the context's extras instead, and the impl calls its
+`RadixAttention` with it: MHA with q/k normalised and rotated first; MLA through
+`NativeMLAImpl.attend_through` (W_UK / W_UV absorption around SGLang's latent attention).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
-from atom.forward_context import get_forward_context
-from atom.kernels import absorb_query, expand_latent_output
+from atom.forward_context import ForwardContext, get_forward_context
 from atom.layers.attention_spec import AttentionSpec, ImplFactory
 from atom.layers.mla_impl import NativeMLAImpl
+from atom.layers.paged_attention_impl import write_kv_and_attend
 from atom_sglang.adapters import SglangAdapter
-from atom_sglang.backend import AtomAttnBackend
+from atom_sglang.backend import mha_cache, mla_cache
 
-FORWARD_BATCH = "forward_batch"  # the key of SGLang's ForwardBatch in ATOM's context extras
+# The key of SGLang's ForwardBatch in ATOM's context extras, for SGLang's own backends.
+FORWARD_BATCH = "forward_batch"
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -48,23 +52,44 @@ def layer_index(layer_name: str) -> int:
     return int(match.group(1))
 
 
-def current_forward_batch():
-    batch = get_forward_context().extras.get(FORWARD_BATCH)
+def host_batch(context: ForwardContext) -> Any:
+    """SGLang's ForwardBatch, for a step SGLang's own backend runs."""
+    batch = context.extras.get(FORWARD_BATCH)
     if batch is None:
         raise RuntimeError(
-            "ATOM attention in SGLang needs the step's ForwardBatch "
-            "(run the model through atom_sglang.model.AtomForCausalLM.forward)"
+            "ATOM attention in SGLang needs the step's metadata (ATOM's backend) or its "
+            "ForwardBatch (run the model through atom_sglang.model.AtomForCausalLM.forward)"
         )
     return batch
 
 
-class SglangAttention(nn.Module):
-    """ATOM MHA impl contract over an SGLang `RadixAttention`."""
+class PoolBinding:
+    """Where an impl's layer keeps its KV: SGLang's pool (read per step through the pool's
+    own getters, which wait for a layer-wise KV load where one runs), its page size, and
+    the layer's KV-cache group in the step's metadata."""
 
-    def __init__(self, spec: AttentionSpec, adapter: SglangAdapter):
-        super().__init__()
+    def __init__(self, layer_name: str):
+        self.layer_name = layer_name
+        self.kv_pool: Any = None
+        self.page_size = 1
+        self.kv_group = 0
+
+    def bind_kv_pool(self, kv_pool: Any, page_size: int, kv_group: int) -> None:
+        self.kv_pool, self.page_size, self.kv_group = kv_pool, page_size, kv_group
+
+    def pool(self) -> Any:
+        if self.kv_pool is None:
+            raise RuntimeError(f"{self.layer_name}: not bound to SGLang's KV pool yet")
+        return self.kv_pool
+
+
+class SglangAttention(nn.Module, PoolBinding):
+    """ATOM's `AttentionImpl` in SGLang."""
+
+    def __init__(self, spec: AttentionSpec):
+        nn.Module.__init__(self)
+        PoolBinding.__init__(self, spec.layer_name)
         self.spec = spec
-        self.fuses_qk_rope = adapter.fuse_qk_rope
         window = spec.sliding_window
         self.attn = RadixAttention(
             spec.num_heads,
@@ -97,20 +122,31 @@ class SglangAttention(nn.Module):
         self.attn.v_scale_float = value
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
-        extra = {} if self.spec.sinks is None else {"sinks": self.spec.sinks}
-        if positions is not None:
-            if isinstance(get_attn_backend(), AtomAttnBackend):
-                extra.update(qk_rope=self.spec.qk_rope, positions=positions)
-            else:
-                q, k = self.spec.qk_rope(positions, q, k)
-        out = self.attn(q.reshape(q.shape[0], -1), k, v, current_forward_batch(), **extra)
-        return out.view(-1, self.spec.num_heads, self.spec.v_head_dim)
+        spec = self.spec
+        context = get_forward_context()
+        if context.attn_metadata is None:
+            return self._sglang_backend(q, k, v, positions, host_batch(context))
+        metadata = context.attn_metadata.for_kv_group(self.kv_group)
+        cache = mha_cache(
+            self.pool(), self.attn.layer_id, self.page_size, self.k_scale, self.v_scale
+        )
+        n = metadata.num_tokens
+        out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
+        write_kv_and_attend(
+            q[:n], k[:n], v[:n], cache, metadata, spec,
+            positions[:n] if positions is not None else None, out=out[:n],
+        )  # fmt: skip
+        return out
+
+    def _sglang_backend(self, q, k, v, positions, batch) -> torch.Tensor:
+        spec = self.spec
+        extra = {} if spec.sinks is None else {"sinks": spec.sinks}
+        if spec.qk_rope is not None:  # SGLang's kernels take final q/k
+            q, k = spec.qk_rope(positions, q, k)
+        out = self.attn(q.reshape(q.shape[0], -1), k, v, batch, **extra)
+        return out.view(-1, spec.num_heads, spec.v_head_dim)
 
 
 class _SplitAbsorptionWeights:
@@ -123,13 +159,14 @@ class _SplitAbsorptionWeights:
         layer.impl.process_weights_after_loading()
 
 
-class SglangMLAAttention(nn.Module):
-    """ATOM MLA impl contract over SGLang's MLA pool and attention backends."""
+class SglangMLAAttention(nn.Module, PoolBinding):
+    """ATOM's `MLAImpl` in SGLang: `NativeMLAImpl` over SGLang's MLA pool or backend."""
 
     quant_method = _SplitAbsorptionWeights()
 
-    def __init__(self, spec: AttentionSpec, adapter: SglangAdapter):
-        super().__init__()
+    def __init__(self, spec: AttentionSpec):
+        nn.Module.__init__(self)
+        PoolBinding.__init__(self, spec.layer_name)
         self.spec = spec
         self.latent_dim = spec.kv_lora_rank
         self.attn = RadixAttention(
@@ -146,16 +183,18 @@ class SglangMLAAttention(nn.Module):
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
-        backend = get_attn_backend()
-        if isinstance(backend, AtomAttnBackend):
-            return backend.run_mla_impl(self.attn.layer_id, self.impl, q_nope, q_pe, kv_c, k_pe)
-        w_uk, w_uv = self.impl.w_uk, self.impl.w_uv
-        if w_uk is None:
-            raise RuntimeError(f"{self.spec.layer_name}: W_UK/W_UV are not split yet")
-        q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)
-        k = torch.cat([kv_c, k_pe], dim=-1).unsqueeze(1)
-        out = self.attn(q.flatten(1), k, kv_c.unsqueeze(1), current_forward_batch())
-        return expand_latent_output(out.view(-1, self.spec.num_heads, self.latent_dim), w_uv)
+        context = get_forward_context()
+        if context.attn_metadata is None:
+            batch = host_batch(context)
+
+            def sglang_latent_attention(q, k, v):
+                out = self.attn(q.flatten(1), k, v, batch)
+                return out.view(-1, self.spec.num_heads, self.latent_dim)
+
+            return self.impl.attend_through(q_nope, q_pe, kv_c, k_pe, sglang_latent_attention)
+        kv_cache = mla_cache(self.pool(), self.attn.layer_id, self.page_size)
+        metadata = context.attn_metadata.for_kv_group(self.kv_group)
+        return self.impl.attend(q_nope, q_pe, kv_c, k_pe, kv_cache, metadata)
 
 
 LAYER_FOR_ATTENTION = {"MHA": SglangAttention, "MLA": SglangMLAAttention}
@@ -170,6 +209,6 @@ def sglang_attention_factory(adapter: SglangAdapter) -> ImplFactory:
             raise ValueError(
                 f"{spec.layer_name}: a {spec.kind} layer in a family adapted as {adapter.attention}"
             )
-        return layer_cls(spec, adapter)
+        return layer_cls(spec)
 
     return factory

@@ -12,9 +12,13 @@ architecture (SGLang keys its model registry by class name). SGLang constructs i
   the kind the family's adapter declares (`atom_sglang.adapters`);
 * state (hybrid models): built inside `state_backend(factory)` too, so each Gated
   DeltaNet layer reads its states from SGLang's mamba pool (`atom_sglang.state_layer`);
-* forward: ATOM's model runs with SGLang's `ForwardBatch` in ATOM's forward context;
-  the hidden states go through SGLang's `LogitsProcessor` with ATOM's LM head (a
-  vocab-parallel slice per rank, as SGLang's own), giving `LogitsProcessorOutput`;
+* forward (the bridge): when ATOM's backend runs the step, ATOM's model runs with the
+  step's one complete metadata (built by that backend from the `ForwardBatch`,
+  `atom_sglang.metadata`) in ATOM's forward context, and its layers are bound to
+  SGLang's pools the first time; under SGLang's own backend, with the `ForwardBatch`
+  in the context's extras for the layers' `RadixAttention` calls. The hidden states go
+  through SGLang's `LogitsProcessor` with ATOM's LM head (a vocab-parallel slice per
+  rank, as SGLang's own), giving `LogitsProcessorOutput`;
 * weights: `load_weights` takes SGLang's iterator (the checkpoint is read once). SGLang's
   loader then runs every module's `quant_method.process_weights_after_loading`, which
   are ATOM's own post-load hooks (ATOM's layers keep their quant methods there).
@@ -28,6 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.model_executor.forward_context import get_attn_backend, get_token_to_kv_pool
 from torch import nn
 
 from atom.cuda_graphs import graph_blockers
@@ -45,6 +50,7 @@ from atom_sglang.attention_layer import (
     SglangAttention,
     sglang_attention_factory,
 )
+from atom_sglang.backend import AtomAttnBackend, atom_backend_of
 from atom_sglang.config import UnsupportedSglangFeature, atom_model_config
 from atom_sglang.distributed import install_sglang_tp_group
 from atom_sglang.patches import (
@@ -82,6 +88,7 @@ class AtomForCausalLM(nn.Module):
         setattr(self, ATOM_MODEL_ATTR, atom_model)
         self.logits_processor = LogitsProcessor(config)
         self._pool_checked = False
+        self._bound_to: AtomAttnBackend | None = None
         device = next(atom_model.parameters()).device
         if keep_prefill_eager():
             logger.info("ATOM models run prefill without CUDA graphs (atom_sglang.patches)")
@@ -93,9 +100,8 @@ class AtomForCausalLM(nn.Module):
                 f"graphs ({', '.join(blockers)}): run SGLang with disable_cuda_graph=True "
                 "(--disable-cuda-graph)"
             )
-        if decode_graphs_enabled() and any(
-            isinstance(m, SglangStateLayer) for m in atom_model.modules()
-        ):
+        self.has_state_layers = any(isinstance(m, SglangStateLayer) for m in atom_model.modules())
+        if decode_graphs_enabled() and self.has_state_layers:
             # The captured decode steps would need the state rows in static buffers.
             raise UnsupportedSglangFeature(
                 f"ATOM {self.entry.architecture} (Gated DeltaNet states) runs without CUDA "
@@ -144,8 +150,6 @@ class AtomForCausalLM(nn.Module):
         return windows.pop() if windows else None
 
     def _check_kv_pool(self) -> None:
-        from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
-
         is_mla = hasattr(get_token_to_kv_pool(), "kv_lora_rank")
         if is_mla != (self.adapter.kv_pool == "mla"):
             raise UnsupportedSglangFeature(
@@ -153,6 +157,34 @@ class AtomForCausalLM(nn.Module):
                 f"pool, SGLang allocated {type(get_token_to_kv_pool()).__name__}"
             )
         self._pool_checked = True
+
+    def _bind_pools(self, backend: AtomAttnBackend) -> None:
+        """ATOM's layers onto the pools of the backend that runs them, and each attention
+        layer onto its KV-cache group (sliding-window layers: the sliding pool's tables)."""
+        for module in self.model.modules():
+            if isinstance(module, tuple(LAYER_FOR_ATTENTION.values())):
+                layer_id = module.attn.layer_id
+                module.bind_kv_pool(
+                    backend.token_to_kv_pool, backend.page_size, backend.builder.kv_group(layer_id)
+                )
+            elif isinstance(module, SglangStateLayer):
+                module.bind_state_pool(backend.req_to_token_pool)
+        self._bound_to = backend
+
+    def _step_context(self, forward_batch: Any):
+        """ATOM's forward context for this step (see the module docstring)."""
+        backend = atom_backend_of(get_attn_backend())
+        if backend is None:
+            if self.has_state_layers:
+                raise NotImplementedError(
+                    "ATOM's Gated DeltaNet layers in SGLang read their states through ATOM's "
+                    f"attention backend (attention_backend='atom'); this engine runs "
+                    f"{type(get_attn_backend()).__name__}"
+                )
+            return set_forward_context(None, **{FORWARD_BATCH: forward_batch})
+        if self._bound_to is not backend:
+            self._bind_pools(backend)
+        return set_forward_context(backend.take_step(f"ATOM {self.entry.architecture}"))
 
     @torch.no_grad()
     def forward(
@@ -172,7 +204,7 @@ class AtomForCausalLM(nn.Module):
             )
         if not self._pool_checked:
             self._check_kv_pool()
-        with set_forward_context(None, **{FORWARD_BATCH: forward_batch}):
+        with self._step_context(forward_batch):
             hidden_states = self.model(input_ids, positions)
         return self.logits_processor(input_ids, hidden_states, self.model.lm_head, forward_batch)
 

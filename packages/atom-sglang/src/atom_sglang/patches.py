@@ -1,8 +1,10 @@
-"""The four changes atom-sglang makes to SGLang's behaviour; each says why, what, and where
-it was checked. Changes 2 and 3 go through SGLang's own API for changing the resolved
-configuration after it was published (`runtime_context.get_context().override`), with
-SGLang's own `with_phase` copy of the CUDA-graph config; change 4 through its API for
-wrapping a step of argument resolution (`register_resolution_hook`).
+"""Every change atom-sglang makes to SGLang's behaviour, every write into SGLang's state and
+every private SGLang name it reads; each says why, what, where it was checked, and when it
+can go (changes 1-4, then writes and reads 5-8). Changes 2 and 3 go through SGLang's own
+API for changing the resolved configuration after it was published
+(`runtime_context.get_context().override`), with SGLang's own `with_phase` copy of the
+CUDA-graph config; change 4 through its API for wrapping a step of argument resolution
+(`register_resolution_hook`).
 
 1. `support_triton` on the CPU engine (a hook through SGLang's own HookRegistry).
 `sglang.srt.utils.common.support_triton(backend_name)` decides from the attention
@@ -14,7 +16,8 @@ SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1) there is no Triton driver, so
 changes: `support_triton("atom")` is False on the CPU engine, as it is for torch_native;
 every other name and every GPU run is untouched. Checked on SGLang 0.5.17 and 0.5.21
 (on 0.5.21 without it the first batch fails in `write_cache_indices`; the AROUND hook
-also rebinds the modules that imported the function by name).
+also rebinds the modules that imported the function by name). Remove when: SGLang asks
+the backend object (not its name) whether Triton may run, or its CPU engine has Triton.
 
 2. Prefill CUDA graphs off while an ATOM model serves (`keep_prefill_eager`).
 On a GPU, SGLang captures prefill steps in CUDA graphs by default (breakable graphs,
@@ -27,7 +30,8 @@ SGLang 0.5.17). What it changes: when ATOM's wrapper is built, the prefill phase
 published CUDA-graph config becomes SGLang's own "disabled" (as
 `--cuda-graph-backend-prefill disabled` would); decode graphs and SGLang's own models
 are untouched. The model is built (`ModelRunner.initialize` -> `load_model`) before the
-prefill graph runner reads the config. Checked on SGLang 0.5.17 and 0.5.21.
+prefill graph runner reads the config. Checked on SGLang 0.5.17 and 0.5.21. Remove when:
+ATOM's decoder bodies take SGLang's prefill-graph call, or SGLang asks the model.
 
 3. Decode CUDA graphs up to 1024 requests while an ATOM model serves
 (`capture_decode_batches_up_to`).
@@ -48,7 +52,8 @@ runner read the config, so they all see the new sizes. Not changed:
 `mem_fraction_static`, computed from the old max_bs when the server args were resolved
 (its graph reserve, max_bs * 2 MB, stays 1.5 GB below what `--cuda-graph-max-bs-decode
 1024` would reserve). Checked on SGLang 0.5.17 and 0.5.21 (on 0.5.21 in-process on CPU
-with a config published as on a GPU; not yet re-measured on a GPU).
+with a config published as on a GPU; not yet re-measured on a GPU). Remove when: SGLang
+sizes decode graphs per model, or ATOM's eager decode is no longer CPU-bound.
 
 4. The "atom" backend passes SGLang's attention-backend check for GPT-OSS
 (`admit_atom_backend`, a resolution hook around `handle_model_specific_adjustments`).
@@ -67,6 +72,37 @@ before: the model overrides (MoE runner, dtype), the MoE runner's ep_size check,
 hybrid-cache and all-reduce passes. Other backends, other models, and SGLang's own
 GPT-OSS (the plugin in backend-only mode) keep the check. Checked on SGLang 0.5.21
 (its CPU engine end to end; the step has no device-specific branch for this check).
+Remove when: SGLang's check asks the backend whether it has sinks and sliding windows.
+
+5. Write: ATOM's backend and models into SGLang's registries (`atom_sglang.register`).
+Why: SGLang's plugin entry point has no registration call; its registries are
+module-level dicts. What: `ATTENTION_BACKENDS["atom"] = create_atom_backend` and
+`ModelRegistry.models[arch] = <ATOM wrapper>` for every served architecture, plus the
+"atom" choice through `add_attention_backend_choices` (SGLang's API). Checked on SGLang
+0.5.21 (`attention_registry.ATTENTION_BACKENDS`, `models.registry.ModelRegistry.models`;
+`test_register_serves_every_sglang_capable_architecture`). Remove when: SGLang offers
+registration functions for plugins.
+
+6. Write: a checkpoint's fp8 KV-cache scales into the `RadixAttention` of ATOM's layers
+(`SglangAttention.k_scale` / `v_scale`). Why: SGLang's own backends read a layer's scales
+from its `k_scale_float` / `v_scale_float` attributes, which SGLang's loader sets only for
+its own models. What: the attributes, after construction, from `atom.loader`. Checked on
+SGLang 0.5.21 (`RadixAttention.__init__` sets both to None). Remove when: RadixAttention
+takes the scales as constructor arguments or a loader hook.
+
+7. Read: SGLang's step through its forward context (`atom_sglang.model`, the bridge only).
+Why: the model wrapper must know whether ATOM's backend runs the step (then it puts that
+backend's metadata into ATOM's forward context) and binds ATOM's layers to the backend's
+pools; SGLang hands a model only the ForwardBatch. What:
+`sglang.srt.model_executor.forward_context.get_attn_backend` / `get_token_to_kv_pool`
+(public), and the backend's `full_attn_backend` where SGLang's hybrid linear-attention
+wrapper holds it. Checked on SGLang 0.5.21. Remove when: SGLang passes the backend's
+metadata to the model's forward.
+
+8. Read (private): `server_args._cuda_graph_config_locked` (change 3). Why: the only
+record of which CUDA-graph sizes the user chose. What: read, never written. Checked on
+SGLang 0.5.21 (`arg_groups/cuda_graph_hook.py` fills it). Remove when: SGLang exposes
+the user's choices, or change 3 goes.
 """
 
 from __future__ import annotations

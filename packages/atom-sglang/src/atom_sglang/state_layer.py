@@ -5,9 +5,11 @@ factory)`; every ATOM `GatedDeltaNet` then owns an `SglangStateLayer`. SGLang de
 its pools from the checkpoint's config alone: for Qwen3-Next / Qwen3.5 configs it
 allocates a `HybridReqToTokenPool` whose mamba pool holds each linear layer's conv and
 recurrent states per request row, sized from the same config fields ATOM's layer reads.
-Per step the layer takes, from ATOM's attention backend (`atom_sglang.backend`), the
-step's metadata with each request's mamba row (`state_metadata`), and views its layer's
-states in the pool in ATOM's layout (`mamba_pool_states`).
+The wrapper binds each to SGLang's request pool (`bind_state_pool`) the first time
+ATOM's backend runs a step; per step the ATOM layer reads each request's mamba row
+(`state_slots`, which ATOM's metadata builder adds, `atom_sglang.metadata`) from ATOM's
+forward context, and its states from `state_pools()`: its layer's states in the pool,
+viewed in ATOM's layout (`mamba_pool_states`).
 
 SGLang wraps the "atom" backend of such models in its `HybridLinearAttnBackend` (full
 attention layers go to ATOM's backend); SGLang's own linear backend beside it prepares
@@ -20,27 +22,12 @@ import logging
 from typing import Any
 
 import torch
-from sglang.srt.model_executor.forward_context import get_attn_backend
 from torch import nn
 
-from atom.layers.gated_delta_net import GatedDeltaNet, StateShapes, StepState
+from atom.layers.gated_delta_net import GatedDeltaNet, StateShapes
 from atom_sglang.attention_layer import layer_index
-from atom_sglang.backend import AtomAttnBackend
 
 logger = logging.getLogger("sglang.atom_sglang.state_layer")
-
-
-def atom_backend() -> AtomAttnBackend:
-    """This step's ATOM backend, inside SGLang's hybrid wrapper or not."""
-    backend = get_attn_backend()
-    backend = getattr(backend, "full_attn_backend", backend)
-    if not isinstance(backend, AtomAttnBackend):
-        raise NotImplementedError(
-            "ATOM's Gated DeltaNet layers in SGLang read their states through ATOM's "
-            f"attention backend (attention_backend='atom'); this engine runs "
-            f"{type(backend).__name__}"
-        )
-    return backend
 
 
 def mamba_pool_states(
@@ -71,21 +58,24 @@ class SglangStateLayer(nn.Module):
         self.layer_name = layer.prefix
         self.layer_id = layer_index(f"{layer.prefix}.")
         self.state_shapes = layer.state_shapes()
+        self.req_to_token_pool: Any = None
+        self.kv_group = 0  # SGLang's one mamba pool: the step's own state rows
         self.num_calls = 0
 
-    def step_state(self) -> StepState | None:
-        backend = atom_backend()
-        if not backend.has_state_pool:
+    def bind_state_pool(self, req_to_token_pool: Any) -> None:
+        if not hasattr(req_to_token_pool, "get_mamba_indices"):
             raise NotImplementedError(
                 f"ATOM's {self.layer_name} keeps per-request states, but SGLang allocated "
-                f"no mamba pool ({type(backend.req_to_token_pool).__name__}) for this model"
+                f"no mamba pool ({type(req_to_token_pool).__name__}) for this model"
             )
-        metadata = backend.state_metadata
-        if metadata is None:  # an idle batch (no requests; captured steps are refused)
-            return None
+        self.req_to_token_pool = req_to_token_pool
+
+    def state_pools(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.req_to_token_pool is None:
+            raise RuntimeError(f"{self.layer_name}: not bound to SGLang's mamba pool yet")
         self.num_calls += 1
         conv_state, ssm_state = mamba_pool_states(
-            backend.req_to_token_pool, self.layer_id, self.state_shapes
+            self.req_to_token_pool, self.layer_id, self.state_shapes
         )
         if self.num_calls == 1:
             logger.info(
@@ -94,7 +84,7 @@ class SglangStateLayer(nn.Module):
                 list(conv_state.shape),
                 list(ssm_state.shape),
             )
-        return metadata, conv_state, ssm_state
+        return conv_state, ssm_state
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_name!r}, layer_id={self.layer_id}"

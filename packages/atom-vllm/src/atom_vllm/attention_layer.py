@@ -20,7 +20,8 @@ and vLLM's CPU platform has no MLA backend ("MLA is not supported on CPU").
   one "head" is the `[num_blocks, block_size, L + R]` latent layout of ATOM's MLA kernels;
 * names `AtomMLABackend`, whose builder is the MHA builder (same schema, decodes first);
 * runs ATOM's own `NativeMLAImpl` (`layer.impl`): latent cache write, absorbed decode,
-  up-projected prefill, with the step's `atom.forward_context.AttentionMetadata`.
+  up-projected prefill, with the step's metadata from ATOM's forward context (put there
+  by the model wrapper, `atom_vllm.step`).
 
 The impl's W_UK / W_UV split runs with ATOM's other post-load hooks, from the model
 wrapper (`AtomForCausalLM._process_atom_weights`), in ATOM's module order.
@@ -32,13 +33,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from vllm.forward_context import get_forward_context as vllm_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backend import AttentionBackend, AttentionType
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
+from atom.forward_context import get_forward_context
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
 from atom.layers.attention_spec import AttentionSpec, ImplFactory
 from atom.layers.mla_impl import NativeMLAImpl
@@ -48,36 +49,41 @@ from atom_vllm.backend import (
     AtomMLABackend,
     cache_dtype_problem,
 )
+from atom_vllm.patches import full_attention_in_a_windowed_model, register_layer
 
 
 class VllmAttention(nn.Module):
-    """ATOM impl contract: (q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv]) -> [T,Hq,Dv], with raw
-    q/k and `positions=` for a layer with `spec.qk_rope` (AtomAttentionImpl fuses it)."""
-
-    fuses_qk_rope = True
+    """ATOM's `AttentionImpl` in vLLM: a vLLM `Attention` layer whose impl
+    (`AtomAttentionImpl`) holds this layer's spec."""
 
     def __init__(self, spec: AttentionSpec, cache_config: Any):
         super().__init__()
         self.spec = spec
+        # What vLLM itself needs: the cache shape, and the window, which decides the
+        # pages its KV-cache manager keeps.
         self.attn = Attention(
             spec.num_heads,
             spec.head_dim,
             spec.scale,
             num_kv_heads=spec.num_kv_heads,
             cache_config=cache_config,
-            logits_soft_cap=spec.logits_soft_cap,
             per_layer_sliding_window=spec.sliding_window,
             prefix=spec.layer_name,
             attn_backend=AtomAttentionBackend,
             head_size_v=spec.v_head_dim if spec.v_head_dim != spec.head_dim else None,
-            qk_rope=spec.qk_rope,
-            sinks=spec.sinks,
         )
+        self.layer_name = spec.layer_name
+        self.attn.impl.spec = spec
         if spec.sliding_window is None and self.attn.sliding_window is not None:
-            # vLLM falls back to the model-wide window; ATOM's spec is per layer and
-            # says this layer attends to everything.
-            self.attn.sliding_window = None
-            self.attn.impl.sliding_window = None
+            full_attention_in_a_windowed_model(self.attn)
+
+    @property
+    def kv_group(self) -> int:
+        return self.attn.impl.kv_group
+
+    @kv_group.setter
+    def kv_group(self, value: int) -> None:
+        self.attn.impl.kv_group = value
 
     # The per-tensor fp8 KV-cache scales live on ATOM's impl: vLLM resets its own layer's
     # scales after loading when the checkpoint has no quantization config.
@@ -98,11 +104,7 @@ class VllmAttention(nn.Module):
         self.attn.impl.v_scale = value
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
         spec = self.spec
         # vLLM's op carries only q, k, v: the impl takes this step's positions from its
@@ -112,16 +114,6 @@ class VllmAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.spec.layer_name!r}, backend=AtomAttentionBackend"
-
-
-def step_metadata(layer_name: str):
-    """This layer's metadata in vLLM's forward context (None in profiling runs)."""
-    metadata = vllm_forward_context().attn_metadata
-    if isinstance(metadata, list):  # speculative decoding: [0] is the base model's
-        metadata = metadata[0]
-    if isinstance(metadata, dict):
-        metadata = metadata.get(layer_name)
-    return metadata
 
 
 class VllmMLAAttention(nn.Module, AttentionLayerBase):
@@ -147,11 +139,9 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
         self.attn_type = AttentionType.DECODER
         self.impl = NativeMLAImpl(spec)  # ATOM's: kernels + W_UK/W_UV absorption
         self.kv_cache = torch.tensor([])  # bound by vLLM (bind_kv_cache)
+        self.kv_group = 0  # set by atom_vllm.step
         self.num_calls = 0
-        context = vllm_config.compilation_config.static_forward_context
-        if self.layer_name in context:
-            raise ValueError(f"Duplicate layer name: {self.layer_name}")
-        context[self.layer_name] = self
+        register_layer(vllm_config, self.layer_name, self)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return AtomMLABackend
@@ -168,7 +158,7 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
-        metadata = step_metadata(self.layer_name)
+        metadata = get_forward_context().attn_metadata
         if metadata is None:  # profiling / dummy run: no cache, no metadata
             return q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.spec.v_head_dim)
         self.num_calls += 1
@@ -176,7 +166,9 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
         kv_cache = self.kv_cache[:, 0]
         if self.fp8_cache:
             kv_cache = kv_cache.view(FP8_KV_CACHE_DTYPE)
-        return self.impl.attend(q_nope, q_pe, kv_c, k_pe, kv_cache, metadata)
+        return self.impl.attend(
+            q_nope, q_pe, kv_c, k_pe, kv_cache, metadata.for_kv_group(self.kv_group)
+        )
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_name!r}, backend=AtomMLABackend, impl=NativeMLAImpl"

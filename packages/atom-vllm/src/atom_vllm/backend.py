@@ -15,6 +15,8 @@
 
 vLLM's `Attention` layer drives all of it: it allocates and binds the KV cache from the
 layer's spec, builds one metadata object per step and KV-cache group, and calls the impl.
+The impl reads the step from ATOM's forward context, where the model wrapper put the
+step's one complete metadata (`atom_vllm.step`), as every ATOM impl does.
 The backend is registered under the static `AttentionBackendEnum.CUSTOM` member, so
 `get_name()` returns "CUSTOM" (vLLM's `Attention` looks the name up in that enum).
 
@@ -46,11 +48,11 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from atom.forward_context import AttentionMetadata
+from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.hosts.state import with_state_slots
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE, fp8_kv_cache_unsupported
-from atom.layers.attention_spec import QKRope
-from atom.layers.paged_attention_impl import write_kv_and_attend
+from atom.layers.attention_spec import AttentionSpec
+from atom.layers.paged_attention_impl import PagedKVCache, write_kv_and_attend
 
 BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member register() overrides
 PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp16", "bf16")
@@ -179,10 +181,14 @@ class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AttentionMetadata]):
 class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
     """Writes K/V into the paged cache, then ATOM's paged attention over it.
 
-    vLLM's attention op passes only q, k and v. For a layer built with the model's q/k
-    norm + rotary (`qk_rope`, an extra impl argument of vLLM's `Attention`), q and k
-    arrive raw and are rotated, with the step metadata's `positions`, in the same kernel
-    that writes the cache.
+    vLLM constructs it from its `Attention` layer's arguments, which are checked here;
+    what the attention computes comes from ATOM's `AttentionSpec`, which `VllmAttention`
+    hands it by reference (`spec`) right after: window, soft cap, sinks and the model's
+    q/k norm + rotary (`qk_rope`). The step comes from ATOM's forward context (this
+    layer's KV-cache group, `kv_group`, as `atom_vllm.step` numbers them). vLLM's
+    attention op passes only q, k and v: for a layer with `qk_rope`, q and k arrive raw
+    and are rotated with the step metadata's `positions` in the same kernel that writes
+    the cache.
 
     With an fp8 cache (`kv_cache_dtype` "fp8"/"fp8_e4m3") the kernels quantize on write
     and dequantize on read with the layer's per-tensor `k_scale` / `v_scale`: 1.0, or the
@@ -201,8 +207,6 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
-        qk_rope: QKRope | None = None,
-        sinks: torch.Tensor | None = None,
         **extra_impl_args,
     ) -> None:
         unsupported = []
@@ -221,16 +225,13 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
             )
         self.num_heads = num_heads
         self.head_size = head_size
-        self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
-        self.sliding_window = sliding_window
-        self.logits_soft_cap = logits_soft_cap or None
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
+        self.spec: AttentionSpec | None = None  # ATOM's, set by its VllmAttention
+        self.kv_group = 0  # set by atom_vllm.step
         self.num_calls = 0  # for tests and logs: proof that this impl ran
-        self.qk_rope = qk_rope
-        self.sinks = sinks
         self.fp8_cache = kv_cache_dtype in FP8_CACHE_DTYPES
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -249,43 +250,25 @@ class AtomAttentionImpl(AttentionImpl[AttentionMetadata]):
     ) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D|Dv] -> output [T, Hq, Dv] (in place).
 
-        vLLM may pad the batch past the metadata's tokens: only slot_mapping's are written.
+        `attn_metadata`, vLLM's view of the same step (this group's builder output), is
+        not read: the step is ATOM's forward context's. vLLM may pad the batch past the
+        metadata's tokens: only slot_mapping's are written.
         """
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("ATOM's attention backend has no fused output quantization")
-        if attn_metadata is None:  # profiling / dummy run: no cache, no metadata
+        step = get_forward_context().attn_metadata
+        if step is None:  # profiling / dummy run: no cache, no metadata
             return output
+        metadata = step.for_kv_group(self.kv_group)
         self.num_calls += 1
         if self.fp8_cache:
             kv_cache = kv_cache.view(FP8_KV_CACHE_DTYPE)
-        key_cache, value_cache = key_value_caches(kv_cache, self.head_size)
-        return write_kv_and_attend(
-            query,
-            key,
-            value,
-            key_cache,
-            value_cache,
-            attn_metadata,
-            self.scale,
-            sliding_window=self.sliding_window,
-            logits_soft_cap=self.logits_soft_cap,
-            sinks=self.sinks,
-            qk_rope=self.qk_rope,
-            positions=self._positions(attn_metadata),
-            out=output,
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
+        cache = PagedKVCache(
+            *key_value_caches(kv_cache, self.head_size), self.k_scale, self.v_scale
         )
-
-    def _positions(self, metadata: AttentionMetadata) -> torch.Tensor | None:
-        if self.qk_rope is None:
-            return None
-        if metadata.positions is None:
-            raise RuntimeError(
-                "ATOM's fused rotary needs token positions; vLLM's CommonAttentionMetadata "
-                "had none for this step"
-            )
-        return metadata.positions
+        return write_kv_and_attend(
+            query, key, value, cache, metadata, self.spec, metadata.positions, out=output
+        )
 
 
 class AtomMLAMetadataBuilder(AtomAttentionMetadataBuilder):

@@ -16,6 +16,8 @@ object); "auto", "atom" (or anything else) build ATOM's model:
   layer owns a vLLM mamba layer (`atom_vllm.state_layer`) whose state cache vLLM's
   hybrid KV-cache manager allocates; `AtomHybridForCausalLM` answers vLLM's `IsHybrid`
   questions (state shapes, dtypes, copy functions) from the config;
+* step: `forward` runs the ATOM model under ATOM's forward context holding the step's
+  one complete metadata, which `atom_vllm.step.StepBridge` makes from vLLM's;
 * weights: `load_weights` takes vLLM's iterator (the checkpoint is read once) and
   returns the names of the parameters it loaded.
 """
@@ -38,28 +40,26 @@ from atom.layers.attention import attention_backend
 from atom.layers.gated_delta_net import config_state_shapes, state_backend
 from atom.loader import process_weights_after_loading, take_kv_scales
 from atom.registry import UnsupportedArchitectureError, get_entry
-from atom_vllm.attention_layer import vllm_attention_factory
+from atom_vllm.attention_layer import VllmAttention, VllmMLAAttention, vllm_attention_factory
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
 from atom_vllm.distributed import install_vllm_tp_group
-from atom_vllm.patches import cuda_graphs_off
-from atom_vllm.state_layer import vllm_state_factory
+from atom_vllm.patches import cuda_graphs_off, vllm_model_location
+from atom_vllm.state_layer import VllmStateLayer, vllm_state_factory
+from atom_vllm.step import StepBridge
 
 logger = init_logger("vllm.atom_vllm.model")
 
 ATOM_MODEL_ATTR = "atom_model"
+# The layers the model's ATOM layers own in vLLM, each reading one KV-cache group.
+ATOM_VLLM_LAYERS = (VllmAttention, VllmMLAAttention, VllmStateLayer)
 
 
 def vllm_model_class(architecture: str) -> type[nn.Module]:
     """vLLM's own class for an architecture (what ATOM's registration replaced)."""
-    from vllm.model_executor.models import registry
-
-    try:
-        relname, class_name = registry._VLLM_MODELS[architecture]
-    except KeyError:
-        raise UnsupportedVllmFeature(
-            f"vLLM has no implementation of its own for {architecture}"
-        ) from None
-    module = relname if relname.startswith("vllm.") else f"vllm.model_executor.models.{relname}"
+    location = vllm_model_location(architecture)
+    if location is None:
+        raise UnsupportedVllmFeature(f"vLLM has no implementation of its own for {architecture}")
+    module, class_name = location
     return getattr(importlib.import_module(module), class_name)
 
 
@@ -94,6 +94,9 @@ class AtomForCausalLM(nn.Module):
         ):
             atom_model = model_cls(cfg.hf_config, cfg.quant_config, prefix=prefix)
         setattr(self, ATOM_MODEL_ATTR, atom_model)
+        self.step_bridge = StepBridge(
+            [m for m in atom_model.modules() if isinstance(m, ATOM_VLLM_LAYERS)]
+        )
         device = next(atom_model.parameters()).device
         blockers = graph_blockers(atom_model, device) if device.type == "cuda" else []
         if blockers:
@@ -139,7 +142,8 @@ class AtomForCausalLM(nn.Module):
                 "ATOM models in vLLM take token ids, not inputs_embeds "
                 "(prompt embeddings / multimodal inputs)"
             )
-        return self.model(input_ids, positions)
+        with self.step_bridge.step(positions):
+            return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)

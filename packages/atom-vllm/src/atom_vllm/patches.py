@@ -1,4 +1,6 @@
-"""The three places atom-vllm changes vLLM's behaviour beyond its plugin APIs.
+"""Every place atom-vllm changes vLLM's behaviour beyond its plugin APIs, writes into
+vLLM's state, or reads a private vLLM name. Each entry says why, what, which vLLM versions
+it was checked on, and when it can go.
 
 Patch 1: decode CUDA graphs up to `max_num_seqs` for ATOM models
     Why: vLLM captures graphs for batches up to `min(2 * max_num_seqs, 512)` by default;
@@ -15,6 +17,8 @@ Patch 1: decode CUDA graphs up to `max_num_seqs` for ATOM models
         same call order (`try_verify_and_update_config` before `_set_cudagraph_sizes`),
         default ceiling still 512 off data-center Blackwell. Test:
         `test_decode_graphs_cover_max_num_seqs_for_atom_models` builds a real VllmConfig.
+    Remove when: vLLM's default capture ceiling covers `max_num_seqs`, or ATOM's models
+        run vLLM's torch.compile path for uncaptured batches.
 
 Patch 2: CUDA graphs off for an ATOM model that cannot be captured
     Why: vLLM captures the whole forward. An ATOM op that reads lengths or expert counts
@@ -27,6 +31,7 @@ Patch 2: CUDA graphs off for an ATOM model that cannot be captured
         the mode for its graph wrapper, and `_check_and_update_cudagraph_mode`
         (`CompilationConfig.resolve_cudagraph_mode_and_sizes`) returns NONE for it. Test:
         `test_uncapturable_model_turns_cuda_graphs_off_in_its_engine_config`.
+    Remove when: vLLM asks a model whether it can be captured before it chooses the mode.
 
 Patch 3: no prefix caching for ATOM's hybrid models (Gated DeltaNet + attention)
     Why: with prefix caching on, vLLM keeps hybrid models' states in its mamba cache mode
@@ -42,6 +47,45 @@ Patch 3: no prefix caching for ATOM's hybrid models (Gated DeltaNet + attention)
         before `HybridAttentionMambaModelConfig.verify_and_update_config`, which reads
         `enable_prefix_caching` (MambaModelConfig). Test:
         `test_hybrid_models_run_without_prefix_caching` builds a real VllmConfig.
+    Remove when: ATOM's state backend keeps states per cached block (vLLM's "align" mode).
+
+Patch 4: full attention for a layer of a model that also has a sliding window
+    Why: vLLM's `Attention` falls back to the model-wide `sliding_window` of its config
+        for a layer built with `per_layer_sliding_window=None`. ATOM's spec is per layer:
+        None means the layer attends to everything (GPT-OSS's full layers). With the
+        fallback vLLM would give the layer a sliding-window KV-cache spec and free the
+        pages the layer still reads.
+    What: `full_attention_in_a_windowed_model` sets the vLLM layer's `sliding_window`
+        back to None right after construction (ATOM's impl reads the window from ATOM's
+        spec, never from vLLM's layer).
+    Checked: vLLM 0.32.0 (`Attention.__init__`: `sliding_window = per_layer_sliding_window
+        or cache_config.sliding_window`; `get_kv_cache_spec` reads `self.sliding_window`).
+        Test: `test_atom_model_and_backend_ran` (GPT-OSS's windows: [16, None]).
+    Remove when: vLLM's `Attention` takes an explicit "no window" per layer.
+
+Write 5: ATOM's own vLLM layers in `static_forward_context`
+    Why: vLLM finds the layers whose KV cache (or state cache) it allocates and binds by
+        walking `compilation_config.static_forward_context`, which its own `Attention` /
+        mamba layers fill in their constructors. ATOM's MLA layer (`VllmMLAAttention`)
+        and state layer (`VllmStateLayer`) are not vLLM classes, so they add themselves.
+    What: `register_layer` puts the layer there under ATOM's layer name, refusing a
+        duplicate name as vLLM's own layers do.
+    Checked: vLLM 0.32.0 (`Attention.__init__` and `MambaBase` subclasses write the same
+        dict; `get_layers_from_vllm_config` reads it). Tests: the DeepSeek and hybrid
+        end-to-end tests allocate and bind through it.
+    Remove when: vLLM offers a public registration for layers of `AttentionLayerBase`
+        kind that are not its own classes.
+
+Read 6: `vllm.model_executor.models.registry._VLLM_MODELS`
+    Why: `model_impl="vllm"` must build vLLM's own class for an architecture ATOM's
+        registration replaced in `ModelRegistry`; the table of vLLM's own classes is only
+        in this private dict.
+    What: `vllm_model_location` reads (module, class name) for the architecture.
+    Checked: vLLM 0.32.0 (the dict maps architecture -> (module under
+        vllm.model_executor.models, class)). Tests: `test_vllm_model_class_is_vllm_own_implementation`,
+        `test_model_impl_vllm_runs_vllm_own_class`.
+    Remove when: vLLM's `ModelRegistry` keeps the class it replaced, or lets a plugin
+        register for `model_impl="atom"` only.
 
 `test_vllm_names_the_patches_rely_on_exist` fails when vLLM renames what they rely on.
 """
@@ -126,3 +170,28 @@ def cuda_graphs_off(vllm_config: Any, architecture: str, blockers: list[str]) ->
     logger.warning(
         "ATOM %s: no CUDA graphs in vLLM (not capturable: %s)", architecture, ", ".join(blockers)
     )
+
+
+def full_attention_in_a_windowed_model(attention: Any) -> None:
+    """Patch 4: vLLM's `Attention` layer `attention` attends to every token."""
+    attention.sliding_window = None
+
+
+def register_layer(vllm_config: Any, layer_name: str, layer: Any) -> None:
+    """Write 5: `layer` in vLLM's static forward context under `layer_name`."""
+    context = vllm_config.compilation_config.static_forward_context
+    if layer_name in context:
+        raise ValueError(f"Duplicate layer name: {layer_name}")
+    context[layer_name] = layer
+
+
+def vllm_model_location(architecture: str) -> tuple[str, str] | None:
+    """Read 6: (module, class name) of vLLM's own class for `architecture`, or None."""
+    from vllm.model_executor.models import registry
+
+    location = registry._VLLM_MODELS.get(architecture)
+    if location is None:
+        return None
+    relname, class_name = location
+    module = relname if relname.startswith("vllm.") else f"vllm.model_executor.models.{relname}"
+    return module, class_name

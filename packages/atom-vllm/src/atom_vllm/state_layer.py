@@ -10,8 +10,10 @@ hybrid KV-cache manager therefore sees an ordinary mamba layer:
   per request for it and binds `[num_blocks, ...]` views of each state (`bind_kv_cache`,
   MambaBase's: the states of a block side by side in one page; ATOM's ops read strides);
 * its backend (`atom_vllm.backend.AtomStateBackend`) builds, per step and KV-cache group,
-  ATOM's `AttentionMetadata` with each request's block as its `state_slots` row;
-* `step_state()` gives the ATOM layer that metadata and the two state views.
+  ATOM's `AttentionMetadata` with each request's block as its `state_slots` row, which
+  the model wrapper puts into the step's one metadata (`atom_vllm.step`; the ATOM layer
+  reads its group's rows from ATOM's forward context);
+* `state_pools()` gives the ATOM layer the two state views.
 
 vLLM's block 0 is its null block, never handed to a request, like the native engine's
 scratch row.
@@ -27,9 +29,9 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from atom.layers.gated_delta_net import GatedDeltaNet, StepState
-from atom_vllm.attention_layer import step_metadata
+from atom.layers.gated_delta_net import GatedDeltaNet
 from atom_vllm.backend import AtomStateBackend
+from atom_vllm.patches import register_layer
 
 
 class VllmStateLayer(nn.Module, MambaBase):
@@ -42,11 +44,9 @@ class VllmStateLayer(nn.Module, MambaBase):
         self.state_shapes = tuple(shape for shape, _ in shapes)
         self.state_dtypes = tuple(dtype for _, dtype in shapes)
         self.kv_cache = ()  # bound by vLLM (MambaBase.bind_kv_cache)
+        self.kv_group = 0  # set by atom_vllm.step
         self.num_calls = 0
-        context = vllm_config.compilation_config.static_forward_context
-        if self.layer_name in context:
-            raise ValueError(f"Duplicate layer name: {self.layer_name}")
-        context[self.layer_name] = self
+        register_layer(vllm_config, self.layer_name, self)
 
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
         return self.state_shapes
@@ -63,13 +63,10 @@ class VllmStateLayer(nn.Module, MambaBase):
     def get_attn_backend(self) -> type[AttentionBackend]:
         return AtomStateBackend
 
-    def step_state(self) -> StepState | None:
-        metadata = step_metadata(self.layer_name)
-        if metadata is None:  # profiling / dummy run: no cache, no metadata
-            return None
+    def state_pools(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.num_calls += 1
         conv_state, ssm_state = self.kv_cache
-        return metadata, conv_state, ssm_state
+        return conv_state, ssm_state
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_name!r}, backend=AtomStateBackend"

@@ -82,9 +82,7 @@ def allocate_kv_cache(
             for shape in members[0][1].kv_cache_shapes(num_blocks, block_size)
         ]
         for group, impl in members:
-            # The first group reads the metadata's own block table, as every layer of a
-            # one-group model (and every impl kind) does.
-            impl.bind_kv_cache(*tensors, **({"kv_group": group} if group else {}))
+            impl.bind_kv_cache(tensors, kv_group=group)
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
 

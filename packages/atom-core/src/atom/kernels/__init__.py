@@ -19,6 +19,7 @@ from atom.kernels.mla import (
     expand_latent_output,
     mla_attention,
     mla_decode_attention,
+    mla_latent_attention,
     mla_prefill_attention,
     write_mla_cache,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "grouped_topk",
     "mla_attention",
     "mla_decode_attention",
+    "mla_latent_attention",
     "mla_prefill_attention",
     "paged_attention",
     "quantize_fp8_per_block",

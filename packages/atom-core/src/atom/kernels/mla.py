@@ -26,7 +26,12 @@ import torch
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels.kv_cache import dequantize_kv, quantize_kv
-from atom.kernels.paged_attention import attention_mask, dense_attention, gather_pages
+from atom.kernels.paged_attention import (
+    attention_mask,
+    dense_attention,
+    gather_pages,
+    paged_attention,
+)
 from atom.kernels.policy import dispatch, register
 
 
@@ -206,3 +211,31 @@ def mla_attention(
             kv_scale=kv_scale,
         )
     return out
+
+
+def mla_latent_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    latent_dim: int,
+    *,
+    out: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
+) -> torch.Tensor:
+    """Weight-absorbed MLA for a whole batch: q [T, H, L + R] (q_nope already through
+    W_UK, then q_pe) -> the latent output [T, H, L]. Keys are whole cache rows, values
+    their first L channels. For a host's own MLA layers, which hand over absorbed queries
+    (SGLang's DeepSeek); ATOM's layers run `mla_attention`, whose prefill up-projects."""
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], latent_dim)
+    if metadata.num_decodes == metadata.num_seqs:
+        return mla_decode_attention(
+            q[..., :latent_dim], q[..., latent_dim:], kv_cache, metadata, scale,
+            out=out, kv_scale=kv_scale,
+        )  # fmt: skip
+    keys = kv_cache.unsqueeze(2)  # the same latent-space MQA for every new token
+    return paged_attention(
+        q, keys, keys[..., :latent_dim], metadata, scale,
+        out=out, k_scale=kv_scale, v_scale=kv_scale,
+    )  # fmt: skip

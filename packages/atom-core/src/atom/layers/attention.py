@@ -4,12 +4,11 @@ A host chooses the implementation while the model is built (`attention_backend(.
 the default is ATOM's native paged attention. At run time the impl reads the step's
 `AttentionMetadata` from the forward context (docs/architecture.md).
 
-Impl contract: `impl(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv]) -> [T,Hq,Dv]` with q and k
-final. A layer whose model normalises and rotates q/k (`AttentionSpec.qk_rope`) applies
-that itself, unless its impl declares `fuses_qk_rope = True`: such an impl gets raw q/k
-and `positions=` and applies `spec.qk_rope` together with its KV-cache write. The spec
-and QKRope live in `atom.layers.attention_spec`, which impls import (so the native impls
-are this module's default without a circle).
+The impl contract is `atom.layers.attention_impl` (`AttentionImpl`, `MLAImpl`): the impl
+holds the layer's spec, gets raw q/k with `positions`, and applies the spec's q/k norm +
+rotary (`AttentionSpec.qk_rope`) itself. The spec and QKRope live in
+`atom.layers.attention_spec`, which impls import (so the native impls are this module's
+default without a circle).
 """
 
 from __future__ import annotations
@@ -20,12 +19,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from atom.layers.attention_impl import AttentionImpl, MLAImpl
 from atom.layers.attention_spec import AttentionSpec, ImplFactory, QKRope
 from atom.layers.mla_impl import NativeMLAImpl
 from atom.layers.paged_attention_impl import NativeAttentionImpl
 
 
-def _native_impl(spec: AttentionSpec) -> nn.Module:
+def _native_impl(spec: AttentionSpec) -> AttentionImpl | MLAImpl:
     if spec.kind == "MLA":
         return NativeMLAImpl(spec)
     return NativeAttentionImpl(spec)
@@ -56,8 +56,7 @@ class Attention(nn.Module):
 
     forward takes q [T, Hq*D], k [T, Hkv*D], v [T, Hkv*Dv] (views of one qkv projection
     are fine) and returns [T, Hq*Dv]. Built with `qk_rope`, the layer takes raw q and k
-    and `positions` [T], and normalises/rotates them before (or, through a fusing impl,
-    together with) the KV-cache write. `sinks` [num_heads]: the model's attention-sink
+    and `positions` [T]; its impl normalises/rotates them with the KV-cache write. `sinks` [num_heads]: the model's attention-sink
     parameter (GPT-OSS), held by reference, so weights loaded into it later take effect.
     """
 
@@ -88,7 +87,6 @@ class Attention(nn.Module):
             sinks=sinks,
         )
         self.impl = create_attention_impl(self.spec)
-        self.fuses_qk_rope = qk_rope is not None and getattr(self.impl, "fuses_qk_rope", False)
 
     def forward(
         self,
@@ -101,10 +99,5 @@ class Attention(nn.Module):
         q = q.view(-1, spec.num_heads, spec.head_dim)
         k = k.view(-1, spec.num_kv_heads, spec.head_dim)
         v = v.view(-1, spec.num_kv_heads, spec.v_head_dim)
-        if self.fuses_qk_rope:
-            out = self.impl(q, k, v, positions=positions)
-        else:
-            if spec.qk_rope is not None:
-                q, k = spec.qk_rope(positions, q, k)
-            out = self.impl(q, k, v)
+        out = self.impl(q, k, v, positions)
         return out.reshape(-1, spec.num_heads * spec.v_head_dim)

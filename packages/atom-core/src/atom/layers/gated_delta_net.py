@@ -8,11 +8,12 @@ recurrent state; the output is RMSNorm(o) * silu(z) per value head, then out_pro
 
 The conv and recurrent states live in per-request pools; each step's `AttentionMetadata`
 says which pool row (`state_slots`) each sequence uses and whether it holds a state yet.
-The native engine binds the pools once (`bind_state_cache`, atom.engine.state_cache) and
-sets the metadata in ATOM's forward context. A host with its own state manager (vLLM's
-mamba cache, SGLang's mamba pool) builds the model inside `state_backend(factory)`: each
-layer then owns the factory's module (`state_host`), whose `step_state()` hands it this
-step's metadata and its pools, or None in a host's profiling run.
+Every host sets the step's metadata in ATOM's forward context. The native engine binds
+the pools once (`bind_state_cache`, atom.engine.state_cache). A host with its own state
+manager (vLLM's mamba cache, SGLang's mamba pool) builds the model inside
+`state_backend(factory)`: each layer then owns the factory's module (`state_host`), which
+hands it its pools in the host's memory (`state_pools()`) and names its KV-cache group
+(`kv_group`: whose state rows it reads, `AttentionMetadata.for_kv_group`).
 Subclasses supply the input projections (their checkpoint layouts differ): `project(x)`
 returns this rank's q, k, v [T, heads * dim], z [T, Hv, Dv], b and a [T, Hv]. Tensor
 parallelism splits the key heads (with their value heads) over the ranks.
@@ -166,10 +167,16 @@ class GatedDeltaNet(nn.Module):
         )
 
     def step_state(self) -> StepState | None:
-        """This step's metadata and (conv, recurrent) pools; None: a host's profiling run."""
-        if self.state_host is not None:
-            return self.state_host.step_state()
-        return get_forward_context().attn_metadata, self.conv_state, self.ssm_state
+        """This step's metadata (as this layer's KV-cache group sees it) and its (conv,
+        recurrent) pools; None: a host's profiling run (no metadata and no states yet)."""
+        metadata = get_forward_context().attn_metadata
+        host = self.state_host
+        if host is None:
+            return metadata, self.conv_state, self.ssm_state
+        if metadata is None:
+            return None
+        conv_state, ssm_state = host.state_pools()
+        return metadata.for_kv_group(host.kv_group), conv_state, ssm_state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step = self.step_state()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 
 from atom.forward_context import AttentionMetadata, get_forward_context
-from atom.kernels import mla_attention, write_mla_cache
+from atom.kernels import absorb_query, expand_latent_output, mla_attention, write_mla_cache
 from atom.kernels.policy import is_capturable
 from atom.layers.attention_spec import AttentionSpec
 
@@ -36,6 +38,7 @@ class NativeMLAImpl(nn.Module):
         # The activation dtype, which the model is built under (weights may be FP8).
         self.dtype = torch.get_default_dtype()
         self.kv_cache: torch.Tensor | None = None
+        self.kv_group = 0
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.register_buffer("w_uk", None, persistent=False)
@@ -50,8 +53,9 @@ class NativeMLAImpl(nn.Module):
         s = self.spec
         return [(num_blocks, block_size, s.kv_lora_rank + s.qk_rope_head_dim)]
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = kv_cache
+    def bind_kv_cache(self, caches: Sequence[torch.Tensor], kv_group: int = 0) -> None:
+        (self.kv_cache,) = caches
+        self.kv_group = kv_group
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
@@ -77,7 +81,9 @@ class NativeMLAImpl(nn.Module):
                 f"{self.spec.layer_name}: attention needs a KV cache and step metadata "
                 "(run the model under atom.forward_context.set_forward_context)"
             )
-        return self.attend(q_nope, q_pe, kv_c, k_pe, self.kv_cache, metadata)
+        return self.attend(
+            q_nope, q_pe, kv_c, k_pe, self.kv_cache, metadata.for_kv_group(self.kv_group)
+        )
 
     def attend(
         self,
@@ -91,13 +97,38 @@ class NativeMLAImpl(nn.Module):
         """The MLA step over a cache and metadata the caller owns (a host's latent cache
         and its builder's metadata): latent write, then absorbed decode and up-projected
         prefill."""
-        if self.w_uk is None:
-            raise RuntimeError(
-                f"{self.spec.layer_name}: kv_b_proj is not split yet "
-                "(call atom.loader.process_weights_after_loading after loading weights)"
-            )
+        self._check_split()
         write_mla_cache(kv_c, k_pe, kv_cache, metadata.slot_mapping, kv_scale=self.k_scale)
         return mla_attention(
             q_nope, q_pe, kv_cache, metadata, self.spec.scale, self.w_uk, self.w_uv,
             kv_scale=self.k_scale,
         )  # fmt: skip
+
+    def attend_through(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_attention: LatentAttention,
+    ) -> torch.Tensor:
+        """The MLA step with a host's own attention kernel, in the weight-absorbed form
+        every host backend takes: q_nope through W_UK into the latent space, keys the
+        cached latent + rope key, values the latent, the latent output through W_UV.
+        `latent_attention(q [T, H, L + R], k [T, 1, L + R], v [T, 1, L])` writes k into
+        the host's cache and returns [T, H, L]."""
+        self._check_split()
+        q = torch.cat([absorb_query(q_nope, self.w_uk), q_pe], dim=-1)
+        k = torch.cat([kv_c, k_pe], dim=-1).unsqueeze(1)
+        latent_out = latent_attention(q, k, kv_c.unsqueeze(1))
+        return expand_latent_output(latent_out, self.w_uv)
+
+    def _check_split(self) -> None:
+        if self.w_uk is None:
+            raise RuntimeError(
+                f"{self.spec.layer_name}: kv_b_proj is not split yet "
+                "(call atom.loader.process_weights_after_loading after loading weights)"
+            )
+
+
+LatentAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

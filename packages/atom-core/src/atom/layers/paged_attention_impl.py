@@ -2,62 +2,74 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.kernels import paged_attention, write_kv_cache
-from atom.layers.attention_spec import AttentionSpec, QKRope
+from atom.layers.attention_spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class PagedKVCache:
+    """One layer's key and value caches [num_blocks, block_size, Hkv, D|Dv], with an fp8
+    cache's per-tensor scales (atom.kernels.kv_cache; 1.0 for a model-dtype cache)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 def write_kv_and_attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: PagedKVCache,
     metadata: AttentionMetadata,
-    scale: float,
+    spec: AttentionSpec,
+    positions: torch.Tensor | None,
     *,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    qk_rope: QKRope | None = None,
-    positions: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """The step of every impl on ATOM's cache layout (native, vLLM, SGLang): K/V into the
-    paged cache, then paged attention, which also gets the new K/V as dense rows (the
-    prefill kernel reads the new tokens' keys from them). With `positions`, q and k are
-    raw, `qk_rope` is applied in the same kernel as the KV write, and k is left rotated
-    (in place). slot_mapping may be shorter than q (host padding): only its tokens count.
-    k_scale / v_scale: an fp8 cache's per-tensor scales (atom.kernels.kv_cache)."""
+    """The step of every MHA impl on ATOM's cache layout (native, vLLM, SGLang): K/V into
+    the paged cache, then paged attention, which also gets the new K/V as dense rows (the
+    prefill kernel reads the new tokens' keys from them).
+
+    q and k are raw: with `spec.qk_rope` they are normalised and rotated in the kernel
+    that writes the cache (k is left rotated, in place), which needs `positions`. This is
+    the one place that decides it. slot_mapping may be shorter than q (host padding):
+    only its tokens count."""
     slots = metadata.slot_mapping
     n = slots.shape[0]
-    if positions is not None:
-        q = qk_rope.apply_and_write_kv(
-            positions, q, k, v, key_cache, value_cache, slots, k_scale, v_scale
+    if spec.qk_rope is not None:
+        if positions is None:
+            raise ValueError(f"{spec.layer_name}: q/k rotary needs the tokens' positions")
+        q = spec.qk_rope.apply_and_write_kv(
+            positions, q, k, v, cache.key, cache.value, slots, cache.k_scale, cache.v_scale
         )
     else:
         write_kv_cache(
-            k[:n], v[:n], key_cache, value_cache, slots, k_scale=k_scale, v_scale=v_scale
-        )
+            k[:n], v[:n], cache.key, cache.value, slots,
+            k_scale=cache.k_scale, v_scale=cache.v_scale,
+        )  # fmt: skip
     return paged_attention(
         q,
-        key_cache,
-        value_cache,
+        cache.key,
+        cache.value,
         metadata,
-        scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        sinks=sinks,
+        spec.scale,
+        sliding_window=spec.sliding_window,
+        logits_soft_cap=spec.logits_soft_cap,
+        sinks=spec.sinks,
         out=out,
         key=k[:n],
         value=v[:n],
-        k_scale=k_scale,
-        v_scale=v_scale,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
     )
 
 
@@ -70,8 +82,6 @@ class NativeAttentionImpl(nn.Module):
     cache, k_scale / v_scale are the layer's per-tensor scales: the checkpoint's
     (atom.loader sets them while loading), 1.0 where it has none.
     """
-
-    fuses_qk_rope = True
 
     def __init__(self, spec: AttentionSpec):
         super().__init__()
@@ -89,18 +99,12 @@ class NativeAttentionImpl(nn.Module):
             (num_blocks, block_size, s.num_kv_heads, s.v_head_dim),
         ]
 
-    def bind_kv_cache(
-        self, key_cache: torch.Tensor, value_cache: torch.Tensor, kv_group: int = 0
-    ) -> None:
-        self.key_cache, self.value_cache = key_cache, value_cache
+    def bind_kv_cache(self, caches: Sequence[torch.Tensor], kv_group: int = 0) -> None:
+        self.key_cache, self.value_cache = caches
         self.kv_group = kv_group
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
         metadata = get_forward_context().attn_metadata
         if metadata is None or self.key_cache is None:
@@ -108,19 +112,7 @@ class NativeAttentionImpl(nn.Module):
                 f"{self.spec.layer_name}: attention needs a KV cache and step metadata "
                 "(run the model under atom.forward_context.set_forward_context)"
             )
+        cache = PagedKVCache(self.key_cache, self.value_cache, self.k_scale, self.v_scale)
         return write_kv_and_attend(
-            q,
-            k,
-            v,
-            self.key_cache,
-            self.value_cache,
-            metadata.for_kv_group(self.kv_group),
-            self.spec.scale,
-            sliding_window=self.spec.sliding_window,
-            logits_soft_cap=self.spec.logits_soft_cap,
-            sinks=self.spec.sinks,
-            qk_rope=self.spec.qk_rope,
-            positions=positions,
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
+            q, k, v, cache, metadata.for_kv_group(self.kv_group), self.spec, positions
         )
