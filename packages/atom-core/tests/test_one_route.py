@@ -22,7 +22,10 @@ HOST_STEP_LOOKUPS = {
 }
 # The modules that turn a host's step into ATOM's metadata and set ATOM's forward context.
 BRIDGES = {"atom_vllm.step", "atom_sglang.model"}
-BACKEND_GETTERS = ("get_attn_backend",)
+# SGLang's forward-context getter of the step's backend object. (vLLM's
+# `Attention.get_attn_backend()` only names a layer's backend class, which the wrapper and
+# its report log: not a way to the step.)
+BACKEND_GETTERS = {"atom_vllm": (), "atom_sglang": ("get_attn_backend",)}
 
 
 def _modules(plugin: str):
@@ -47,8 +50,8 @@ def _host_step_lookups(plugin: str, path: Path) -> list[str]:
     found += [
         node.id if isinstance(node, ast.Name) else node.attr
         for node in ast.walk(tree)
-        if (isinstance(node, ast.Name) and node.id in BACKEND_GETTERS)
-        or (isinstance(node, ast.Attribute) and node.attr in BACKEND_GETTERS)
+        if (isinstance(node, ast.Name) and node.id in BACKEND_GETTERS[plugin])
+        or (isinstance(node, ast.Attribute) and node.attr in BACKEND_GETTERS[plugin])
     ]
     return found
 
