@@ -42,6 +42,19 @@ def atom_impl(hq, d, hkv, kv_cache_dtype, **spec_fields):
     return impl
 
 
+def cached_history(cm, context, query, hkv, d, bs, cache, stored):
+    """Random K/V of each sequence's context and new tokens; the context's rows written
+    into `cache` as earlier steps would have, each as `stored(k, v)` gives it."""
+    history = []
+    for i, c in enumerate(context):
+        k, v = torch.randn(c + query[i], hkv, d), torch.randn(c + query[i], hkv, d)
+        history.append((k, v))
+        for p in range(c):
+            page = int(cm.block_table_tensor[i, p // bs])
+            cache[page, :, p % bs] = torch.cat(stored(k[p], v[p]), dim=-1)
+    return history
+
+
 @pytest.mark.parametrize("sliding_window", [None, 6])
 def test_impl_writes_cache_then_matches_dense_attention(sliding_window):
     torch.manual_seed(0)
@@ -53,13 +66,7 @@ def test_impl_writes_cache_then_matches_dense_attention(sliding_window):
     # tokens-major (its default LBNHC layout) as vLLM allocates it.
     kv_cache = torch.zeros(nb, bs, hkv, 2 * d).transpose(1, 2)
     # The cached context of each sequence, written as earlier steps would have.
-    history = []
-    for i, c in enumerate(context):
-        k, v = torch.randn(c + query[i], hkv, d), torch.randn(c + query[i], hkv, d)
-        history.append((k, v))
-        for p in range(c):
-            page = int(cm.block_table_tensor[i, p // bs])
-            kv_cache[page, :, p % bs] = torch.cat([k[p], v[p]], dim=-1)
+    history = cached_history(cm, context, query, hkv, d, bs, kv_cache, lambda k, v: (k, v))
     q = torch.randn(sum(query), hq, d)
     k_new = torch.cat([k[c:] for (k, _), c in zip(history, context)])
     v_new = torch.cat([v[c:] for (_, v), c in zip(history, context)])
@@ -127,14 +134,10 @@ def test_impl_reads_an_fp8_cache_with_its_scales():
     def fp8_round_trip(x, scale):
         return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
-    history = []
-    for i, c in enumerate(context):
-        k, v = torch.randn(c + query[i], hkv, d), torch.randn(c + query[i], hkv, d)
-        history.append((k, v))
-        for p in range(c):
-            page = int(cm.block_table_tensor[i, p // bs])
-            row = torch.cat([k[p] / k_scale, v[p] / v_scale], dim=-1)
-            fp8[page, :, p % bs] = row.to(torch.float8_e4m3fn)
+    def quantized(k, v):
+        return (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
+
+    history = cached_history(cm, context, query, hkv, d, bs, fp8, quantized)
     q = torch.randn(sum(query), hq, d)
     k_new = torch.cat([k[c:] for (k, _), c in zip(history, context)])
     v_new = torch.cat([v[c:] for (_, v), c in zip(history, context)])
