@@ -73,10 +73,16 @@ def resolve(args: argparse.Namespace) -> None:
 
 
 def engine_logprobs(
-    spec: EngineSpec, shape: Shape, folder: Path, dtype: str, name: str, args, clock: Clock
+    spec: EngineSpec,
+    shape: Shape,
+    folder: Path,
+    streams: list[list[int]],
+    dtype: str,
+    name: str,
+    args,
+    clock: Clock,
 ):
-    """Runs `spec` on the shape's streams in its own process; its positions, or None."""
-    streams = make_prompts(args.stream_shape, shape.vocab_size, args.seed)
+    """Runs `spec` on `streams` in its own process; its positions, or None."""
     job = dict(dtype=dtype, max_model_len=args.max_model_len, streams=streams, top_k=args.top_k)
     tag = f"check.{shape.name.replace(':', '-L')}.{name}"
     job_file, env, log_path = write_job(spec, folder, job, tag, args)
@@ -96,21 +102,22 @@ def engine_logprobs(
 
 def check_shape(shape: Shape, folder: Path, args, clock: Clock) -> list[dict]:
     """Every engine's rows for one shape: against float32 HF, and against its host's model."""
-    reference = engine_logprobs(HF, shape, folder, "float32", "hf-float32", args, clock)
+    streams = make_prompts(args.stream_shape, shape.vocab_size, args.seed)
+    reference = engine_logprobs(HF, shape, folder, streams, "float32", "hf-float32", args, clock)
     if reference is None:
         return [dict(shape=shape.name, engine="hf", error="the float32 reference failed")]
     floor = None
     rows = []
     if args.dtype != "float32":
         name = f"hf-{args.dtype}"
-        floor_run = engine_logprobs(HF, shape, folder, args.dtype, name, args, clock)
+        floor_run = engine_logprobs(HF, shape, folder, streams, args.dtype, name, args, clock)
         if floor_run is None:
             return [dict(shape=shape.name, engine=name, error="the floor run failed")]
         floor = compare(floor_run, reference)
         rows.append(dict(shape=shape.name, engine=name, reference="hf-float32", **floor))
     margin = decisive_margin(floor)
     runs = {
-        spec.name: engine_logprobs(spec, shape, folder, args.dtype, spec.name, args, clock)
+        spec.name: engine_logprobs(spec, shape, folder, streams, args.dtype, spec.name, args, clock)
         for spec in args.engine_list
     }
     host = next((n for n in ("vllm", "sglang") if runs.get(n) is not None), None)
