@@ -141,4 +141,10 @@ def test_fp8_checkpoint_matches_dequantized_reference(tmp_path, scheme):
         # HF runs the whole prompt at once; for per-tensor activation scales the scale is
         # over all tokens of a GEMM, which is the same set of tokens in both runs.
         expected = reference(input_ids=torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(atom_logits, expected, atol=2e-3, rtol=1e-3)
+    # Where the CPU's GEMM sums the merged q/k/v in another order than HF's three (AMX
+    # does), an activation lands on the other side of an e4m3 rounding step and its error
+    # runs on through the layers: a norm bound, not an elementwise one. A wrong activation
+    # scheme (per tensor, or none) is 5-8% off here; the right one 0.3% at most.
+    error = (atom_logits - expected).norm() / expected.norm()
+    assert error < 1e-2, f"relative error {error:.2e}"
+    assert torch.equal(atom_logits.argmax(-1), expected.argmax(-1))
