@@ -1,21 +1,35 @@
 """DESIGN.md §3, one route: each host's bridge puts the step's one complete
-`AttentionMetadata` into ATOM's forward context, and ATOM's impls in the plugins read only
-that. So no plugin module but the bridges imports its host's forward context or asks
-the host for its attention backend (the sources are parsed, not imported: no host needs
+`AttentionMetadata` into ATOM's forward context (or, where the host's own backend attends,
+that step's `HostAttention`), and ATOM's impls in the plugins read only that. So no plugin
+module but the bridges imports its host's forward context or asks the host for its
+attention backend, no ATOM layer names a host's batch, and ATOM's forward context has no
+slot a host object could ride in on (the sources are parsed, not imported: no host needs
 to be installed)."""
 
 from __future__ import annotations
 
 import ast
+import inspect
+import typing
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+
+import atom
+from atom.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    HostAttention,
+    set_forward_context,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 PLUGINS = {
     "atom_vllm": ROOT / "packages" / "atom-vllm" / "src" / "atom_vllm",
     "atom_sglang": ROOT / "packages" / "atom-sglang" / "src" / "atom_sglang",
 }
+PACKAGES = {"atom": Path(atom.__file__).parent, **PLUGINS}
 HOST_STEP_LOOKUPS = {
     "atom_vllm": ("vllm.forward_context",),
     "atom_sglang": ("sglang.srt.model_executor.forward_context",),
@@ -26,12 +40,35 @@ BRIDGES = {"atom_vllm.step", "atom_sglang.model"}
 # `Attention.get_attn_backend()` only names a layer's backend class, which the wrapper and
 # its report log: not a way to the step.)
 BACKEND_GETTERS = {"atom_vllm": (), "atom_sglang": ("get_attn_backend",)}
+# The hosts' per-step batch objects, by class and by the name their APIs give them.
+HOST_BATCH_NAMES = {
+    "ForwardBatch", "forward_batch", "CommonAttentionMetadata", "common_attn_metadata",
+}  # fmt: skip
+# Where a host hands over its batch: the bridges, and the host backend classes and
+# builders that turn it into ATOM's metadata.
+BATCH_TAKERS = BRIDGES | {"atom_vllm.backend", "atom_sglang.backend", "atom_sglang.metadata"}
 
 
-def _modules(plugin: str):
-    for path in sorted(PLUGINS[plugin].rglob("*.py")):
-        relative = path.relative_to(PLUGINS[plugin]).with_suffix("")
-        yield ".".join((plugin, *relative.parts)).removesuffix(".__init__"), path
+def _modules(package: str):
+    root = PACKAGES[package]
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).with_suffix("")
+        yield ".".join((package, *relative.parts)).removesuffix(".__init__"), path
+
+
+def _host_batch_names(path: Path) -> set[str]:
+    """Names of a host's batch the code uses (parameters, variables, attributes)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        name = (
+            node.arg if isinstance(node, ast.arg)
+            else node.id if isinstance(node, ast.Name)
+            else node.attr if isinstance(node, ast.Attribute)
+            else None
+        )  # fmt: skip
+        if name in HOST_BATCH_NAMES:
+            found.add(name)
+    return found
 
 
 def _imported(tree: ast.AST) -> set[str]:
@@ -72,3 +109,34 @@ def test_each_plugin_has_its_bridge(plugin):
     (bridge,) = [m for m in BRIDGES if m.startswith(f"{plugin}.")]
     source = modules[bridge].read_text()
     assert "set_forward_context" in source
+
+
+def test_no_atom_layer_names_a_hosts_batch():
+    """A host's batch reaches only its bridge and the builder it feeds; atom-core and the
+    plugins' layers never hold it (atom_sglang's runtime check: test_sglang_one_route)."""
+    offenders = {
+        module: names
+        for package in sorted(PACKAGES)
+        for module, path in _modules(package)
+        if module not in BATCH_TAKERS and (names := _host_batch_names(path))
+    }
+    assert offenders == {}
+
+
+def test_the_forward_context_carries_only_atoms_step():
+    """No untyped slot (the `extras` dict SGLang's batch once rode in): ATOM's metadata,
+    or the host's own attention behind ATOM's `HostAttention` protocol."""
+    hints = typing.get_type_hints(ForwardContext)
+    assert {f.name: hints[f.name] for f in fields(ForwardContext)} == {
+        "attn_metadata": AttentionMetadata | None,
+        "host_attention": HostAttention | None,
+    }
+    parameters = inspect.signature(set_forward_context.__wrapped__).parameters.values()
+    assert all(p.kind is not p.VAR_KEYWORD for p in parameters)
+
+
+def test_a_step_has_one_attention_route():
+    metadata = AttentionMetadata.build([1], [3], [[0]], [2])
+    both = set_forward_context(metadata, host_attention=lambda *a, **k: None)
+    with pytest.raises(ValueError, match="not both"), both:
+        pass

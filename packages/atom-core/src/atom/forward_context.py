@@ -1,10 +1,12 @@
 """The host-neutral description of one forward step (docs/architecture.md).
 
-Every host's bridge (the native engine's model runner, atom_vllm.step, atom_sglang's
-metadata builder) fills one complete `AttentionMetadata` per step (every KV-cache group,
-the state slots of linear-attention layers, the tokens' positions) and sets it with
-`set_forward_context`; ATOM's impls read only that (`get_forward_context()`) and never
-learn which host runs them.
+Every host's bridge (the native engine's model runner, atom_vllm.step, atom_sglang.model)
+fills one complete `AttentionMetadata` per step (every KV-cache group, the state slots of
+linear-attention layers, the tokens' positions) and sets it with `set_forward_context`;
+ATOM's impls read only that (`get_forward_context()`) and never learn which host runs
+them. Where a host's own attention backend attends instead of ATOM's kernels (SGLang's
+backends under atom-sglang), the bridge sets that step's `HostAttention` in its place:
+the layers still read the step only from here, and never hold the host's batch.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -165,13 +167,24 @@ class AttentionMetadata:
         )
 
 
-@dataclass
+class HostAttention(Protocol):
+    """The host's own attention backend for one step, with the host's batch bound in by
+    the bridge: an impl hands over only the host attention layer it wraps (SGLang's
+    `RadixAttention`), q, k and v in that layer's layout, and the layer's keyword
+    arguments, and gets the layer's output."""
+
+    def __call__(
+        self, host_layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, /, **kwargs: Any
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
 class ForwardContext:
+    """The step as ATOM's layers see it: `attn_metadata` where ATOM's impls attend,
+    `host_attention` where the host's own backend does; at most one of them."""
+
     attn_metadata: AttentionMetadata | None = None
-    # What a host's own attention backend needs where it runs ATOM's layers instead of
-    # ATOM's impls (SGLang's ForwardBatch for its RadixAttention); ATOM's impls never
-    # read them.
-    extras: dict[str, Any] = field(default_factory=dict)
+    host_attention: HostAttention | None = None
 
 
 _EMPTY = ForwardContext()
@@ -184,11 +197,13 @@ def get_forward_context() -> ForwardContext:
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata | None, **extras: Any
+    attn_metadata: AttentionMetadata | None, *, host_attention: HostAttention | None = None
 ) -> Iterator[ForwardContext]:
     global _current
+    if attn_metadata is not None and host_attention is not None:
+        raise ValueError("a step is attended by ATOM's impls or by the host's, not both")
     previous = _current
-    _current = ForwardContext(attn_metadata=attn_metadata, extras=extras)
+    _current = ForwardContext(attn_metadata=attn_metadata, host_attention=host_attention)
     try:
         yield _current
     finally:

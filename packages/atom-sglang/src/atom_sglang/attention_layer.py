@@ -18,9 +18,11 @@ over its layer's buffers in the pool, reading only that metadata:
   write, absorbed decode, up-projected prefill).
 
 Under another backend (SGLang's own) the metadata is not ATOM's to build: the wrapper
-puts SGLang's `ForwardBatch` into the context's extras instead, and the impl calls its
-`RadixAttention` with it: MHA with q/k normalised and rotated first; MLA through
+puts the step's `HostAttention` into ATOM's forward context instead (SGLang's backend with
+the step's batch bound in, `atom_sglang.model`), and the impl hands it its
+`RadixAttention`: MHA with q/k normalised and rotated first; MLA through
 `NativeMLAImpl.attend_through` (W_UK / W_UV absorption around SGLang's latent attention).
+Either way the impl reads the step only from ATOM's forward context.
 """
 
 from __future__ import annotations
@@ -32,15 +34,18 @@ import torch
 from sglang.srt.layers.radix_attention import RadixAttention
 from torch import nn
 
-from atom.forward_context import ForwardContext, get_forward_context
+from atom.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    HostAttention,
+    get_forward_context,
+)
 from atom.layers.attention_spec import AttentionSpec, ImplFactory
 from atom.layers.mla_impl import NativeMLAImpl
 from atom.layers.paged_attention_impl import write_kv_and_attend
 from atom_sglang.adapters import SglangAdapter
 from atom_sglang.backend import mha_cache, mla_cache
 
-# The key of SGLang's ForwardBatch in ATOM's context extras, for SGLang's own backends.
-FORWARD_BATCH = "forward_batch"
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -52,15 +57,14 @@ def layer_index(layer_name: str) -> int:
     return int(match.group(1))
 
 
-def host_batch(context: ForwardContext) -> Any:
-    """SGLang's ForwardBatch, for a step SGLang's own backend runs."""
-    batch = context.extras.get(FORWARD_BATCH)
-    if batch is None:
+def step_metadata(context: ForwardContext, kv_group: int) -> AttentionMetadata:
+    """The step's metadata as a layer of KV-cache group `kv_group` reads it."""
+    if context.attn_metadata is None:
         raise RuntimeError(
-            "ATOM attention in SGLang needs the step's metadata (ATOM's backend) or its "
-            "ForwardBatch (run the model through atom_sglang.model.AtomForCausalLM.forward)"
+            "ATOM attention in SGLang needs the step's metadata (ATOM's backend) or SGLang's "
+            "backend for it (run the model through atom_sglang.model.AtomForCausalLM.forward)"
         )
-    return batch
+    return context.attn_metadata.for_kv_group(kv_group)
 
 
 class PoolBinding:
@@ -126,9 +130,9 @@ class SglangAttention(nn.Module, PoolBinding):
     ) -> torch.Tensor:
         spec = self.spec
         context = get_forward_context()
-        if context.attn_metadata is None:
-            return self._sglang_backend(q, k, v, positions, host_batch(context))
-        metadata = context.attn_metadata.for_kv_group(self.kv_group)
+        if context.host_attention is not None:
+            return self._sglang_backend(q, k, v, positions, context.host_attention)
+        metadata = step_metadata(context, self.kv_group)
         cache = mha_cache(
             self.pool(), self.attn.layer_id, self.page_size, self.k_scale, self.v_scale
         )
@@ -140,12 +144,12 @@ class SglangAttention(nn.Module, PoolBinding):
         )  # fmt: skip
         return out
 
-    def _sglang_backend(self, q, k, v, positions, batch) -> torch.Tensor:
+    def _sglang_backend(self, q, k, v, positions, host_attention: HostAttention) -> torch.Tensor:
         spec = self.spec
         extra = {} if spec.sinks is None else {"sinks": spec.sinks}
         if spec.qk_rope is not None:  # SGLang's kernels take final q/k
             q, k = spec.qk_rope(positions, q, k)
-        out = self.attn(q.reshape(q.shape[0], -1), k, v, batch, **extra)
+        out = host_attention(self.attn, q.reshape(q.shape[0], -1), k, v, **extra)
         return out.view(-1, spec.num_heads, spec.v_head_dim)
 
 
@@ -184,16 +188,16 @@ class SglangMLAAttention(nn.Module, PoolBinding):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
         context = get_forward_context()
-        if context.attn_metadata is None:
-            batch = host_batch(context)
+        host_attention = context.host_attention
+        if host_attention is not None:
 
             def sglang_latent_attention(q, k, v):
-                out = self.attn(q.flatten(1), k, v, batch)
+                out = host_attention(self.attn, q.flatten(1), k, v)
                 return out.view(-1, self.spec.num_heads, self.latent_dim)
 
             return self.impl.attend_through(q_nope, q_pe, kv_c, k_pe, sglang_latent_attention)
+        metadata = step_metadata(context, self.kv_group)
         kv_cache = mla_cache(self.pool(), self.attn.layer_id, self.page_size)
-        metadata = context.attn_metadata.for_kv_group(self.kv_group)
         return self.impl.attend(q_nope, q_pe, kv_c, k_pe, kv_cache, metadata)
 
 

@@ -15,8 +15,9 @@ architecture (SGLang keys its model registry by class name). SGLang constructs i
 * forward (the bridge): when ATOM's backend runs the step, ATOM's model runs with the
   step's one complete metadata (built by that backend from the `ForwardBatch`,
   `atom_sglang.metadata`) in ATOM's forward context, and its layers are bound to
-  SGLang's pools the first time; under SGLang's own backend, with the `ForwardBatch`
-  in the context's extras for the layers' `RadixAttention` calls. The hidden states go
+  SGLang's pools the first time; under SGLang's own backend, with that backend for the
+  step (`sglang_backend_attention`: the layers hand it their `RadixAttention`, the
+  `ForwardBatch` stays here). The hidden states go
   through SGLang's `LogitsProcessor` with ATOM's LM head (a vocab-parallel slice per
   rank, as SGLang's own), giving `LogitsProcessorOutput`;
 * weights: `load_weights` takes SGLang's iterator (the checkpoint is read once). SGLang's
@@ -36,7 +37,7 @@ from sglang.srt.model_executor.forward_context import get_attn_backend, get_toke
 from torch import nn
 
 from atom.cuda_graphs import graph_blockers
-from atom.forward_context import set_forward_context
+from atom.forward_context import HostAttention, set_forward_context
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
 from atom.layers.gated_delta_net import state_backend
@@ -45,7 +46,6 @@ from atom.loader import take_kv_scales
 from atom.registry import ModelEntry, get_entry
 from atom_sglang.adapters import SglangAdapter, adapter_for
 from atom_sglang.attention_layer import (
-    FORWARD_BATCH,
     LAYER_FOR_ATTENTION,
     SglangAttention,
     sglang_attention_factory,
@@ -65,6 +65,16 @@ logger = logging.getLogger("sglang.atom_sglang.model")
 ATOM_MODEL_ATTR = "atom_model"
 # Decode batches up to this size run in CUDA graphs (atom_sglang.patches, change 3).
 DECODE_GRAPH_MAX_BS = 1024
+
+
+def sglang_backend_attention(forward_batch: Any) -> HostAttention:
+    """SGLang's own attention backend for one step, as ATOM's layers call it: a
+    `RadixAttention` run with the step's batch, which only this bridge holds."""
+
+    def attend(radix_attention: Any, q, k, v, /, **kwargs: Any) -> torch.Tensor:
+        return radix_attention(q, k, v, forward_batch, **kwargs)
+
+    return attend
 
 
 class AtomForCausalLM(nn.Module):
@@ -181,7 +191,7 @@ class AtomForCausalLM(nn.Module):
                     f"attention backend (attention_backend='atom'); this engine runs "
                     f"{type(get_attn_backend()).__name__}"
                 )
-            return set_forward_context(None, **{FORWARD_BATCH: forward_batch})
+            return set_forward_context(None, host_attention=sglang_backend_attention(forward_batch))
         if self._bound_to is not backend:
             self._bind_pools(backend)
         return set_forward_context(backend.take_step(f"ATOM {self.entry.architecture}"))
