@@ -5,17 +5,19 @@ place (the plugins' impls are checked against the same protocols in their own su
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from atom.kernels import paged_attention
 from atom.layers.attention import Attention
 from atom.layers.attention_impl import AttentionImpl, MLAImpl, PagedCacheOwner
 from atom.layers.attention_spec import AttentionSpec
 from atom.layers.mla_impl import NativeMLAImpl
-from atom.layers.paged_attention_impl import NativeAttentionImpl
+from atom.layers.paged_attention_impl import NativeAttentionImpl, write_kv_and_attend
 from atom.testing.contract import contract_problems
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -82,3 +84,13 @@ def test_no_impl_declares_whether_it_fuses_rope():
             if name == "fuses_qk_rope" or getattr(node, "value", None) == "fuses_qk_rope":
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+@pytest.mark.parametrize(
+    ("step", "most"),
+    # q, k, v, cache, metadata, spec, positions, out / query, cache, metadata, scoring,
+    # out, new_kv: the layer's cache, the step and the spec travel as one object each.
+    [(write_kv_and_attend, 8), (paged_attention, 6)],
+)
+def test_the_attention_steps_take_the_step_as_objects(step, most):
+    assert len(inspect.signature(step).parameters) <= most

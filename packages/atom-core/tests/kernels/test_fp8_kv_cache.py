@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from atom.forward_context import AttentionMetadata
-from atom.kernels import paged_attention, write_kv_cache
+from atom.kernels import AttentionScoring, PagedKVCache, paged_attention, write_kv_cache
 from atom.kernels.fused_qkv import fused_qkv_rope_write_kv_torch
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE, FP8_KV_MAX
 from atom.kernels.rotary import apply_rotary_emb_torch, compute_cos_sin_cache
@@ -122,16 +122,9 @@ def test_reference_matches_dense_attention_over_dequantized_kv(group, block_size
     )
     sinks = torch.randn(query.shape[1]) if with_sinks else None
     scale = 1 / math.sqrt(HEAD_DIM)
+    cache = PagedKVCache(key_cache, value_cache, K_SCALE, V_SCALE)
     got = paged_attention(
-        query,
-        key_cache,
-        value_cache,
-        metadata,
-        scale,
-        sliding_window=window,
-        sinks=sinks,
-        k_scale=K_SCALE,
-        v_scale=V_SCALE,
+        query, cache, metadata, AttentionScoring(scale, sliding_window=window, sinks=sinks)
     )
     want = dense_reference(query, keys, values, MIXED_BATCH, scale, window, sinks)
     torch.testing.assert_close(got, want, **FP32_TOL)
@@ -142,12 +135,10 @@ def test_new_keys_come_from_the_quantized_pages():
     query, key_cache, value_cache, metadata, keys, values = make_fp8_batch(MIXED_BATCH, 2, 16)
     new_keys = torch.cat([k[c:] for (c, _), k in zip(MIXED_BATCH, keys)])
     new_values = torch.cat([v[c:] for (c, _), v in zip(MIXED_BATCH, values)])
-    scale = 1 / math.sqrt(HEAD_DIM)
-    kwargs = dict(k_scale=K_SCALE, v_scale=V_SCALE)
-    without = paged_attention(query, key_cache, value_cache, metadata, scale, **kwargs)
-    given = paged_attention(
-        query, key_cache, value_cache, metadata, scale, key=new_keys, value=new_values, **kwargs
-    )
+    cache = PagedKVCache(key_cache, value_cache, K_SCALE, V_SCALE)
+    scoring = AttentionScoring(1 / math.sqrt(HEAD_DIM))
+    without = paged_attention(query, cache, metadata, scoring)
+    given = paged_attention(query, cache, metadata, scoring, new_kv=(new_keys, new_values))
     assert torch.equal(without, given)
 
 
@@ -164,10 +155,10 @@ def test_model_dtype_cache_ignores_the_scales():
     args = (torch.cat(keys), torch.cat(values), key_cache, value_cache, torch.tensor(slots))
     write_kv_cache(*args, k_scale=K_SCALE, v_scale=V_SCALE)
     assert torch.equal(key_cache.flatten(0, 1)[slots], torch.cat(keys))
-    scale = 1 / math.sqrt(HEAD_DIM)
-    plain = paged_attention(query, key_cache, value_cache, metadata, scale)
+    scoring = AttentionScoring(1 / math.sqrt(HEAD_DIM))
+    plain = paged_attention(query, PagedKVCache(key_cache, value_cache), metadata, scoring)
     scaled = paged_attention(
-        query, key_cache, value_cache, metadata, scale, k_scale=K_SCALE, v_scale=V_SCALE
+        query, PagedKVCache(key_cache, value_cache, K_SCALE, V_SCALE), metadata, scoring
     )
     assert torch.equal(plain, scaled)
 

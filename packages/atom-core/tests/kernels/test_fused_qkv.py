@@ -14,17 +14,14 @@ import pytest
 import torch
 
 from atom.forward_context import AttentionMetadata, get_forward_context, set_forward_context
+from atom.kernels import PagedKVCache
 from atom.kernels.fused_qkv import fused_qkv_rope_write_kv, fused_qkv_rope_write_kv_torch
 from atom.kernels.norm import rms_norm_torch
 from atom.kernels.rotary import apply_rotary_emb_torch, compute_cos_sin_cache
 from atom.layers.attention import Attention, attention_backend
 from atom.layers.attention_spec import QKRope
 from atom.layers.norm import RMSNorm
-from atom.layers.paged_attention_impl import (
-    NativeAttentionImpl,
-    PagedKVCache,
-    write_kv_and_attend,
-)
+from atom.layers.paged_attention_impl import NativeAttentionImpl, write_kv_and_attend
 from atom.layers.rotary import RotaryEmbedding
 
 if torch.cuda.is_available():

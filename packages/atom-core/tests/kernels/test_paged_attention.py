@@ -19,7 +19,7 @@ from torch import nn
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
 from atom.forward_context import AttentionMetadata, set_forward_context
-from atom.kernels import paged_attention, write_kv_cache
+from atom.kernels import AttentionScoring, PagedKVCache, paged_attention, write_kv_cache
 from atom.kernels.paged_attention import paged_attention_torch
 from atom.layers.attention import Attention
 
@@ -39,6 +39,10 @@ class Batch:
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     metadata: AttentionMetadata
+
+    def attend(self, scoring: AttentionScoring, **kwargs) -> torch.Tensor:
+        cache = PagedKVCache(self.key_cache, self.value_cache)
+        return paged_attention(self.query, cache, self.metadata, scoring, **kwargs)
 
 
 def make_batch(
@@ -118,15 +122,7 @@ def test_mixed_batch_matches_naive(group, block_size, variant):
     window, soft_cap = VARIANTS[variant]
     batch = make_batch(MIXED_BATCH, group, block_size, seed=group * 31 + block_size)
     scale = 1 / math.sqrt(64)
-    got = paged_attention(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.metadata,
-        scale,
-        sliding_window=window,
-        logits_soft_cap=soft_cap,
-    )
+    got = batch.attend(AttentionScoring(scale, window, soft_cap))
     want = expected_output(batch, scale, window, soft_cap)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, **FP32_TOL)
@@ -136,9 +132,7 @@ def test_mixed_batch_matches_naive(group, block_size, variant):
 def test_head_dims_and_value_dim(head_dim, v_dim):
     batch = make_batch(MIXED_BATCH, 2, 16, head_dim, v_dim, seed=head_dim + v_dim)
     scale = head_dim**-0.5
-    got = paged_attention(
-        batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale, sliding_window=16
-    )
+    got = batch.attend(AttentionScoring(scale, sliding_window=16))
     assert got.shape == (batch.query.shape[0], batch.query.shape[1], v_dim)
     want = expected_output(batch, scale, window=16)
     torch.testing.assert_close(got.double(), want, **FP32_TOL)
@@ -148,10 +142,7 @@ def test_head_dims_and_value_dim(head_dim, v_dim):
 def test_matches_sdpa_on_unpaged_kv(window):
     """A second, independent reference: torch's SDPA with an explicit boolean mask."""
     batch = make_batch(MIXED_BATCH, 4, 16, seed=window or 0)
-    got = paged_attention(
-        batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125,
-        sliding_window=window,
-    )  # fmt: skip
+    got = batch.attend(AttentionScoring(0.125, sliding_window=window))
     starts = batch.metadata.host_query_start_loc()
     for i, (k, v, context) in enumerate(zip(batch.keys, batch.values, batch.contexts)):
         q = batch.query[starts[i] : starts[i + 1]]
@@ -173,7 +164,8 @@ def test_writes_into_out_and_leaves_padding_alone():
     batch = make_batch(seqs, 2, 16)
     query = torch.cat([batch.query, torch.randn(2, *batch.query.shape[1:])])
     out = torch.full((query.shape[0], query.shape[1], 64), 123.0)
-    got = paged_attention(query, batch.key_cache, batch.value_cache, batch.metadata, 0.125, out=out)
+    cache = PagedKVCache(batch.key_cache, batch.value_cache)
+    got = paged_attention(query, cache, batch.metadata, AttentionScoring(0.125), out=out)
     assert got is out
     torch.testing.assert_close(out[:6].double(), expected_output(batch, 0.125), **FP32_TOL)
     assert (out[6:] == 123.0).all()
@@ -182,18 +174,13 @@ def test_writes_into_out_and_leaves_padding_alone():
 def test_decode_only_and_prefill_only_batches():
     for seqs in ([(12, 1), (3, 1)], [(0, 7), (30, 9)]):
         batch = make_batch(seqs, 4, 16)
-        got = paged_attention(
-            batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125
-        )
+        got = batch.attend(AttentionScoring(0.125))
         torch.testing.assert_close(got.double(), expected_output(batch, 0.125), **FP32_TOL)
 
 
 def test_bf16_within_one_rounding_of_the_exact_result():
     batch = make_batch(MIXED_BATCH, 4, 16, dtype=torch.bfloat16, seed=3)
-    got = paged_attention(
-        batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125,
-        sliding_window=8, logits_soft_cap=2.0,
-    )  # fmt: skip
+    got = batch.attend(AttentionScoring(0.125, sliding_window=8, logits_soft_cap=2.0))
     assert got.dtype == torch.bfloat16
     # The same bf16 inputs in float64: the softmax runs in fp32, so the error is the final
     # rounding to bf16 (8 significant bits, relative 2^-9) plus fp32 noise; outputs are
@@ -243,10 +230,7 @@ def test_sinks_match_hf_gpt_oss(group, block_size, window, sink_dtype):
     sinks = (torch.randn(KV_HEADS * group) * 2).to(sink_dtype)
     sinks[-1] = 30.0
     scale = 1 / math.sqrt(64)
-    got = paged_attention(
-        batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale,
-        sliding_window=window, sinks=sinks,
-    )  # fmt: skip
+    got = batch.attend(AttentionScoring(scale, sliding_window=window, sinks=sinks))
     want = gpt_oss_attention(batch, sinks.float(), scale, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -254,10 +238,7 @@ def test_sinks_match_hf_gpt_oss(group, block_size, window, sink_dtype):
 def test_sinks_need_one_per_query_head():
     batch = make_batch(MIXED_BATCH, 2, 16)
     with pytest.raises(ValueError, match="one per query head"):
-        paged_attention(
-            batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125,
-            sinks=torch.zeros(KV_HEADS),
-        )  # fmt: skip
+        batch.attend(AttentionScoring(0.125, sinks=torch.zeros(KV_HEADS)))
 
 
 def test_attention_layer_uses_the_models_sinks():

@@ -37,11 +37,11 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from atom.forward_context import AttentionMetadata
 from atom.hosts.token_table import paged_view
-from atom.kernels import mla_latent_attention, paged_attention, write_mla_cache
+from atom.kernels import PagedKVCache, mla_latent_attention, paged_attention, write_mla_cache
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE, fp8_kv_cache_unsupported
 from atom.kernels.policy import selected_backend
 from atom.layers.attention_spec import AttentionSpec
-from atom.layers.paged_attention_impl import PagedKVCache, write_kv_and_attend
+from atom.layers.paged_attention_impl import write_kv_and_attend
 from atom_sglang.metadata import SglangMetadataBuilder
 
 BACKEND_NAME = "atom"
@@ -204,11 +204,7 @@ class AtomAttnBackend(AttentionBackend):
             v = v.view(-1, layer.tp_v_head_num, layer.v_head_dim)[:n]
             write_kv_and_attend(q_heads, k, v, cache, metadata, spec, None, out=out[:n])
         else:
-            paged_attention(
-                q_heads, cache.key, cache.value, metadata, spec.scale,
-                sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
-                sinks=spec.sinks, out=out[:n], k_scale=cache.k_scale, v_scale=cache.v_scale,
-            )  # fmt: skip
+            paged_attention(q_heads, cache, metadata, spec.scoring, out=out[:n])
         return out.view(q.shape[0], -1)
 
     def _attend_latent(self, q, k, layer, metadata, save_kv_cache: bool) -> torch.Tensor:

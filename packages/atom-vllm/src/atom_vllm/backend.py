@@ -50,9 +50,10 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.hosts.state import with_state_slots
+from atom.kernels import PagedKVCache
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE, fp8_kv_cache_unsupported
 from atom.layers.attention_spec import AttentionSpec
-from atom.layers.paged_attention_impl import PagedKVCache, write_kv_and_attend
+from atom.layers.paged_attention_impl import write_kv_and_attend
 
 BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member register() overrides
 PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp16", "bf16")

@@ -25,11 +25,13 @@ from atom.kernels.mla import (
 )
 from atom.kernels.moe import fused_moe, grouped_topk, topk_softmax
 from atom.kernels.norm import fused_add_rms_norm, rms_norm
-from atom.kernels.paged_attention import paged_attention
+from atom.kernels.paged_attention import AttentionScoring, PagedKVCache, paged_attention
 from atom.kernels.rotary import apply_rotary_emb, compute_cos_sin_cache
 
 __all__ = [
     "FP8_DTYPE",
+    "AttentionScoring",
+    "PagedKVCache",
     "absorb_query",
     "apply_rotary_emb",
     "compute_cos_sin_cache",

@@ -27,6 +27,8 @@ import torch
 from atom.forward_context import AttentionMetadata
 from atom.kernels.kv_cache import dequantize_kv, quantize_kv
 from atom.kernels.paged_attention import (
+    AttentionScoring,
+    PagedKVCache,
     attention_mask,
     dense_attention,
     gather_pages,
@@ -235,7 +237,5 @@ def mla_latent_attention(
             out=out, kv_scale=kv_scale,
         )  # fmt: skip
     keys = kv_cache.unsqueeze(2)  # the same latent-space MQA for every new token
-    return paged_attention(
-        q, keys, keys[..., :latent_dim], metadata, scale,
-        out=out, k_scale=kv_scale, v_scale=kv_scale,
-    )  # fmt: skip
+    latent_cache = PagedKVCache(keys, keys[..., :latent_dim], kv_scale, kv_scale)
+    return paged_attention(q, latent_cache, metadata, AttentionScoring(scale), out=out)

@@ -1,12 +1,45 @@
-"""Paged-KV attention for a mixed batch of decodes and prefills (docs/architecture.md)."""
+"""Paged-KV attention for a mixed batch of decodes and prefills (docs/architecture.md).
+
+The entry point takes the step in three objects, each one concept: the layer's cache
+(`PagedKVCache`), the step (`AttentionMetadata`) and how scores are formed
+(`AttentionScoring`, which `AttentionSpec.scoring` gives for a model's layer). The
+registered torch / Triton implementations keep their flat argument lists: they are
+launched (and tested, and benchmarked) directly, and the entry point unpacks once.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels.kv_cache import dequantize_kv, is_fp8_kv_cache
 from atom.kernels.policy import dispatch, register
+
+
+@dataclass(frozen=True)
+class PagedKVCache:
+    """One layer's key and value caches [num_blocks, block_size, Hkv, D|Dv], with an fp8
+    cache's per-tensor scales (atom.kernels.kv_cache; 1.0 for a model-dtype cache)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class AttentionScoring:
+    """How a query's scores over its keys are formed: `scale` times q.k, capped by
+    `logits_soft_cap` (tanh) where set, masked to the last `sliding_window` positions
+    (the query's own included) where set, with `sinks` [Hq] (GPT-OSS) joining each
+    softmax as one more key without a value. Left out of ==: a tensor has no truth value."""
+
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
 
 def gather_pages(
@@ -98,19 +131,12 @@ def paged_attention_torch(
 
 def paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: PagedKVCache,
     metadata: AttentionMetadata,
-    scale: float,
+    scoring: AttentionScoring,
     *,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    key: torch.Tensor | None = None,
-    value: torch.Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] against the cached K/V of each sequence -> [T, Hq, Dv].
 
@@ -120,29 +146,22 @@ def paged_attention(
     the earliest query's window (c - w + 1) are never read: the native engine frees those
     pages and leaves placeholders.
 
-    key [T, Hkv, D] / value [T, Hkv, Dv], optional: those same new tokens' K/V as written
-    to the cache (rotated, normalised), row t for query row t. A kernel may read the new
-    keys from them instead of the pages (contiguous rows, no table lookups); the result
-    is the same. Pass both or neither.
-
-    sinks [Hq], optional (GPT-OSS): a logit per query head that joins each query's softmax
-    as one more key without a value, whatever the window (bf16 or fp32; fp32 math).
-
-    k_scale / v_scale: an fp8 cache's per-tensor scales; keys and values are read as
-    cache * scale (atom.kernels.kv_cache). An fp8 cache holds the new keys quantized, so
-    `key`/`value` (unquantized) are not handed on: every key comes from the pages.
+    new_kv, optional: those same new tokens' key [T, Hkv, D] and value [T, Hkv, Dv] as
+    written to the cache (rotated, normalised), row t for query row t. A kernel may read
+    the new keys from them instead of the pages (contiguous rows, no table lookups); the
+    result is the same. An fp8 cache holds the new keys quantized, so unquantized `new_kv`
+    is not handed on there: every key comes from the pages (read as cache * scale).
     """
-    if (key is None) != (value is None):
-        raise ValueError("pass the new tokens' key and value together, or neither")
+    sinks = scoring.sinks
     if sinks is not None and sinks.shape != query.shape[1:2]:
         raise ValueError(
             f"sinks {tuple(sinks.shape)}: expected one per query head [{query.shape[1]}]"
         )
     if out is None:
-        out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
-    if is_fp8_kv_cache(key_cache):
-        key = value = None
+        out = query.new_empty(query.shape[0], query.shape[1], cache.value.shape[-1])
+    key, value = (None, None) if new_kv is None or is_fp8_kv_cache(cache.key) else new_kv
     return dispatch("paged_attention", query.device)(
-        query, key_cache, value_cache, metadata, scale, sliding_window, logits_soft_cap, out,
-        key, value, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        query, cache.key, cache.value, metadata, scoring.scale, scoring.sliding_window,
+        scoring.logits_soft_cap, out, key, value,
+        sinks=sinks, k_scale=cache.k_scale, v_scale=cache.v_scale,
     )  # fmt: skip

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import nn
 
-from atom.kernels import fused_qkv_rope_write_kv
+from atom.kernels import AttentionScoring, fused_qkv_rope_write_kv
 from atom.layers.norm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding
 
@@ -92,6 +93,12 @@ class AttentionSpec:
     # MHA: per-head attention-sink logits [num_heads] (GPT-OSS), the model's own parameter
     # (loaded in place after the spec is built). Left out of ==: a tensor has no truth value.
     sinks: torch.Tensor | None = field(default=None, compare=False)
+
+    @cached_property
+    def scoring(self) -> AttentionScoring:
+        """The layer's scale, window, soft cap and sinks as the attention kernels take
+        them; built once (every step's attention asks), the sinks tensor by reference."""
+        return AttentionScoring(self.scale, self.sliding_window, self.logits_soft_cap, self.sinks)
 
 
 ImplFactory = Callable[[AttentionSpec], nn.Module]

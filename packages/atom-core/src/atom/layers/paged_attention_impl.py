@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from atom.forward_context import AttentionMetadata, get_forward_context
-from atom.kernels import paged_attention, write_kv_cache
+from atom.kernels import PagedKVCache, paged_attention, write_kv_cache
 from atom.layers.attention_spec import AttentionSpec
-
-
-@dataclass(frozen=True)
-class PagedKVCache:
-    """One layer's key and value caches [num_blocks, block_size, Hkv, D|Dv], with an fp8
-    cache's per-tensor scales (atom.kernels.kv_cache; 1.0 for a model-dtype cache)."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    k_scale: float = 1.0
-    v_scale: float = 1.0
 
 
 def write_kv_and_attend(
@@ -56,21 +44,7 @@ def write_kv_and_attend(
             k[:n], v[:n], cache.key, cache.value, slots,
             k_scale=cache.k_scale, v_scale=cache.v_scale,
         )  # fmt: skip
-    return paged_attention(
-        q,
-        cache.key,
-        cache.value,
-        metadata,
-        spec.scale,
-        sliding_window=spec.sliding_window,
-        logits_soft_cap=spec.logits_soft_cap,
-        sinks=spec.sinks,
-        out=out,
-        key=k[:n],
-        value=v[:n],
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-    )
+    return paged_attention(q, cache, metadata, spec.scoring, out=out, new_kv=(k[:n], v[:n]))
 
 
 class NativeAttentionImpl(nn.Module):
