@@ -1,10 +1,10 @@
-"""DESIGN.md §3, one route: each host's bridge puts the step's one complete
-`AttentionMetadata` into ATOM's forward context (or, where the host's own backend attends,
-that step's `HostAttention`), and ATOM's impls in the plugins read only that. So no plugin
-module but the bridges imports its host's forward context or asks the host for its
-attention backend, no ATOM layer names a host's batch, and ATOM's forward context has no
-slot a host object could ride in on (the sources are parsed, not imported: no host needs
-to be installed)."""
+"""One route (docs/architecture.md, "A decode step, host by host"): each host's bridge
+puts the step's one complete `AttentionMetadata` into ATOM's forward context (or, where
+the host's own backend attends, that step's `HostAttention`), and ATOM's impls in the
+plugins read only that. So no plugin module but the bridges imports its host's forward
+context or asks the host for its attention backend, no ATOM layer names a host's batch,
+and ATOM's forward context has no slot a host object could ride in on (the sources are
+parsed, not imported: no host needs to be installed)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""DESIGN.md §3, one route: ATOM's layers in SGLang read the step only from ATOM's forward
-context, whether ATOM's backend attends (the step's metadata) or SGLang's own does (the
-bridge's `HostAttention`, which alone holds the batch). A batch that records who reads
-its fields sees only SGLang's code and the bridge's builder; both routes give the same
-output and cache."""
+"""One route (docs/architecture.md, "A decode step, host by host"): ATOM's layers in
+SGLang read the step only from ATOM's forward context, whether ATOM's backend attends
+(the step's metadata) or SGLang's own does (the bridge's `HostAttention`, which alone
+holds the batch). A batch that records who reads its fields sees only SGLang's code and
+the bridge's builder; both routes give the same output and cache."""
 
 from __future__ import annotations
 

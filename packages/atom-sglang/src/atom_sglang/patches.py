@@ -38,9 +38,9 @@ ATOM's decoder bodies take SGLang's prefill-graph call, or SGLang asks the model
 SGLang sizes its decode graphs from GPU memory (`arg_groups/memory_hook.py`: an H100 or
 H200 with tp<4 gets decode max_bs 256) and runs larger decode batches eagerly. That
 suits SGLang's own models (CUDA kernels), but an ATOM model run eagerly is CPU-bound
-(Python and Triton launches): on an H200 (Qwen3-0.6B shape, 1024 requests x 512 in ->
-256 out, SGLang 0.5.17) SGLang+ATOM did 24,205 output tok/s against SGLang alone 30,047
-(0.81x), and 33,316 (1.11x) with `cuda_graph_max_bs_decode=1024`. What it changes: when
+(Python and Triton launches): at 1,024 requests it fell behind SGLang alone, and came
+out ahead with `cuda_graph_max_bs_decode=1024` (docs/performance.md, "2026-11-22,
+earlier", H200, SGLang 0.5.17). What it changes: when
 ATOM's wrapper is built with decode CUDA graphs on a GPU, and the user chose no decode
 sizes (neither `--cuda-graph-max-bs[-decode]`, `--cuda-graph-bs[-decode]` nor a JSON
 `cuda_graph_config` decode `max_bs`/`bs`, i.e. none in SGLang's

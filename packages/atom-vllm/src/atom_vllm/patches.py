@@ -5,8 +5,9 @@ it was checked on, and when it can go.
 Patch 1: decode CUDA graphs up to `max_num_seqs` for ATOM models
     Why: vLLM captures graphs for batches up to `min(2 * max_num_seqs, 512)` by default;
         larger decode batches run without a graph, where vLLM's own models run
-        torch.compile'd code but ATOM's (not compiled by vLLM) run eagerly. At 1,024
-        concurrent requests (Qwen3-0.6B, H200) that left vLLM+ATOM at 0.98x of vLLM.
+        torch.compile'd code but ATOM's (not compiled by vLLM) run eagerly, which left
+        vLLM+ATOM behind vLLM at 1,024 concurrent requests (docs/performance.md,
+        "2026-11-21", H200).
     What: every architecture ATOM serves gets an entry in vLLM's per-architecture config
         hook table (`vllm.model_executor.models.config.MODELS_CONFIG_MAP`, read by
         `VllmConfig.try_verify_and_update_config()` before the capture sizes are chosen).

@@ -5,7 +5,8 @@ builds its `AttentionSpec` and asks the current host's factory for an impl of it
 (`atom.layers.attention.attention_backend`). The impl keeps a reference to that spec and
 reads window, soft cap, sinks, q/k rope and scale from it at run time; it reads the step
 from ATOM's forward context (`get_forward_context().attn_metadata`), which every host's
-bridge fills with one complete `AttentionMetadata` (docs/architecture.md).
+bridge fills with one complete `AttentionMetadata` (docs/architecture.md), or, where the
+host's own attention backend runs the step, with that step's `host_attention`.
 
 The native impls (`paged_attention_impl`, `mla_impl`) and every plugin's impls satisfy
 these protocols; a test checks each class against them.
