@@ -4,9 +4,12 @@ preemption, with drafts that are mostly accepted and drafts that are always reje
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from atom import LLM, SamplingParams
+from tests.engine.test_engine import assert_equal_up_to_float_rounding
 from tests.models.harness import make_prompts
 from tests.speculative.mtp_checkpoints import write_mtp_checkpoint
 
@@ -58,3 +61,33 @@ def test_greedy_output_is_the_targets(tmp_path, family, drafter):
     # A second pass is served from the prefix cache (and the drafter's K/V in its pages).
     assert run(llm) == expected
     assert llm.engine.stats().prefix_cache_hits > 0
+
+
+def test_logprobs_penalties_and_seeded_sampling(tmp_path, caplog):
+    folder = write_mtp_checkpoint("deepseek-v3", tmp_path, "repeat")
+    batch = prompts()[:3]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=16, ignore_eos=True),
+    ]
+
+    def outputs(llm: LLM):
+        return [
+            (c.token_ids, c.logprobs, c.cumulative_logprob)
+            for o in llm.generate(batch, params, use_tqdm=False)
+            for c in o.outputs
+        ]
+
+    expected = outputs(engine(folder, speculative=False))
+    with caplog.at_level(logging.INFO, logger="atom.engine.llm_engine"):
+        llm = engine(folder, speculative=True)
+        first, again = outputs(llm), outputs(llm)
+    # Greedy tokens and their logprobs are the target's; penalised requests run unchanged.
+    assert_equal_up_to_float_rounding(first[:2], expected[:2])
+    # A seeded request draws the same tokens again.
+    assert first[2][0] == again[2][0] and len(first[2][0]) == 16
+    skipped = [
+        r for r in caplog.records if "requests with penalties decode without drafts" in r.message
+    ]
+    assert len(skipped) == 1
