@@ -40,8 +40,12 @@ CONFIGS = {
 }
 
 
-def write_mtp_checkpoint(family: str, folder: Path, drafter: str, num_layers: int = 2) -> Path:
-    write_checkpoint(CONFIGS[family](num_layers + 1), folder, init_std=0.1)
+def write_mtp_checkpoint(
+    family: str, folder: Path, drafter: str, num_layers: int = 2, vocab_size: int = 256
+) -> Path:
+    config = CONFIGS[family](num_layers + 1)
+    config.vocab_size = vocab_size
+    write_checkpoint(config, folder, init_std=0.1)
     path = folder / "model.safetensors"
     tensors = load_file(path)
     hidden = SMALL["hidden_size"]
@@ -59,7 +63,8 @@ def write_mtp_checkpoint(family: str, folder: Path, drafter: str, num_layers: in
         tensors["lm_head.weight"] += tensors["model.embed_tokens.weight"] * REPEAT_LEAN
     else:
         tensors[f"{mtp}eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
-        tensors[f"{mtp}shared_head.head.weight"] = torch.randn(256, hidden, generator=gen) * 0.1
+        head = torch.randn(vocab_size, hidden, generator=gen) * 0.1
+        tensors[f"{mtp}shared_head.head.weight"] = head
     for norm in ("enorm", "hnorm", "shared_head.norm"):
         tensors[f"{mtp}{norm}.weight"] = torch.ones(hidden)
     tensors[f"{mtp}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()

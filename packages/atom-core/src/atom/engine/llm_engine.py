@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -49,6 +50,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decode: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
 class LLMEngine:
@@ -440,6 +442,7 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_decode=copy.deepcopy(self.spec_stats),
         )
 
 
