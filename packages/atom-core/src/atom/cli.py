@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,6 +34,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-tokenizer-init", action="store_true", help="token-id prompts only, no text"
     )
+    parser.add_argument(
+        "--speculative-config",
+        type=json_object,
+        help='speculative decoding, as vLLM\'s: \'{"method": "mtp", "num_speculative_tokens": 3}\'',
+    )
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -52,6 +68,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         compile=args.compile,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        speculative_config=args.speculative_config,
     )
 
 

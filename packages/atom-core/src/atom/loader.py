@@ -42,6 +42,15 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
+def checkpoint_tensor_names(folder: str | Path) -> set[str]:
+    """Every tensor name of a checkpoint, read from the file headers only."""
+    names: set[str] = set()
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
 def iterate_safetensors(
     folder: str | Path, progress: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,6 +11,7 @@ from atom.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, Par
 from atom.engine.llm_engine import LLMEngine
 from atom.engine.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
+from atom.speculative.config import SpeculativeConfig
 
 Prompt = str | list[int]
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20
@@ -42,7 +43,13 @@ class LLM:
         compile: bool = False,
         skip_tokenizer_init: bool = False,
         async_scheduling: bool | None = None,
+        speculative_config: dict | None = None,
     ):
+        """speculative_config: as vLLM's, e.g. {"method": "mtp", "num_speculative_tokens": 3}
+        (atom.speculative.config)."""
+        speculative = (
+            SpeculativeConfig.from_dict(speculative_config) if speculative_config else None
+        )
         model_config = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len)
         if kv_cache_memory_bytes is None and num_blocks is None and device == "cpu":
             kv_cache_memory_bytes = CPU_DEFAULT_KV_CACHE_BYTES
@@ -67,6 +74,7 @@ class LLM:
             or max(default_tokens, model_config.max_model_len),
             enforce_eager=enforce_eager,
             compile=compile,
+            speculative=speculative,
         )
         tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
         self.engine = LLMEngine(config, tokenizer, async_scheduling)

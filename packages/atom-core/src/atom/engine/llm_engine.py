@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from atom.config import EngineConfig
+from atom.config import ConfigError, EngineConfig
 from atom.engine.block_manager import BlockManager
 from atom.engine.detokenizer import Detokenizer, find_stop_string
 from atom.engine.executor import Executor
@@ -19,7 +20,11 @@ from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
 from atom.engine.state_cache import StateSlots, num_state_slots
 from atom.engine.step_arrays import StepInput, TokenFeed
+from atom.loader import checkpoint_tensor_names
 from atom.sampling_params import SamplingParams
+from atom.speculative.proposer import Proposer
+from atom.speculative.stats import SpeculativeStats
+from atom.speculative.verifier import PendingVerification, verify
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decode: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
 class LLMEngine:
@@ -54,6 +60,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)
+        if config.speculative is not None:
+            check_speculative(config)
         self.executor = Executor(config)
         self.model = self.executor.model
         self.kv_layout = self.executor.kv_layout
@@ -72,13 +80,23 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             StateSlots(config.max_num_seqs) if hybrid else None,
+            self._num_drafts if config.speculative is not None else None,
         )
+        self.proposer = None
+        self.spec_stats = SpeculativeStats()
+        self._skipped_features: set[str] = set()
+        if config.speculative is not None:
+            self.proposer = Proposer(self.model, self.executor.runner.prepare)
+            self.spec_stats = SpeculativeStats(config.speculative.num_speculative_tokens)
         self.sampler = Sampler(compile=config.compile)
         self.eos_token_ids = _eos_ids(config.model.hf_config, tokenizer)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
         if async_scheduling is None:
             async_scheduling = config.device.startswith("cuda")
+        if async_scheduling and config.speculative is not None:
+            logger.info("async scheduling is off: speculative decoding verifies on the host")
+            async_scheduling = False
         self.async_scheduling = async_scheduling and config.parallel.tensor_parallel_size == 1
         self._in_flight: _Step | None = None
         logger.info("%s", self.kv_cache_summary())
@@ -210,7 +228,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return None
-        plan = _StepPlan(batch.seqs, batch.num_new_tokens)
+        drafts = [[] for _ in batch.seqs]
+        if self.proposer is not None:
+            drafts = self.proposer.propose(batch.seqs, batch.num_drafts)
+        plan = _StepPlan(batch.seqs, batch.num_new_tokens, drafts)
         feed = None
         if feeding is not None:
             source = {seq: i for i, seq in enumerate(feeding.plan.samples)}
@@ -221,25 +242,46 @@ class LLMEngine:
                     rows.append(row)
                     sources.append(i)
             feed = TokenFeed(feeding.samples.tokens, rows, sources) if rows else None
-        logits = self.executor.execute(plan.inputs, plan.rows, feed)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        samples = None
+        hidden = None
+        if self.proposer is None:
+            logits = self.executor.execute(plan.inputs, plan.rows, feed)
+        else:
+            logits, hidden = self.executor.runner.execute_keeping_hidden(plan.inputs, plan.rows)
+        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, drafts):
+            # Drafts count as computed once accepted (_finish_verified).
+            seq.num_computed_tokens += n - len(d)
+        samples = verification = None
+        if plan.verified:
+            verification = verify(
+                _select(logits, plan.verified_rows),
+                [seq for seq, _ in plan.verified],
+                [d for _, d in plan.verified],
+                self.sampler,
+                self.config.speculative.forced_acceptance,
+            )
         if plan.samples:
-            sample_logits = logits
-            if len(plan.sample_rows) != logits.shape[0]:
-                index = torch.tensor(plan.sample_rows).to(logits.device, non_blocking=True)
-                sample_logits = logits[index]
+            sample_logits = _select(logits, plan.sample_rows)
             blocked = [
                 self.eos_token_ids if seq.num_output_tokens < seq.params.min_tokens else ()
                 for seq in plan.samples
             ]
             samples = self.sampler.launch(sample_logits, plan.samples, blocked)
-        return _Step(batch.seqs, plan, logits if plan.prompt_logprobs else None, samples)
+        step = _Step(batch.seqs, plan, logits if plan.prompt_logprobs else None, samples)
+        step.verification = verification
+        if hidden is not None:
+            step.hidden_rows = [
+                (seq, seq.num_computed_tokens - (n - len(d)), hidden[start : start + n])
+                for seq, n, d, start in zip(
+                    batch.seqs, batch.num_new_tokens, drafts, plan.token_starts
+                )
+                if self._may_draft(seq)
+            ]
+        return step
 
     def _finish(self, step: _Step, finished_only: bool) -> list[RequestOutput]:
         """Brings a step's tokens to the host, then does its bookkeeping."""
         results = step.samples.results() if step.samples is not None else []
+        verified = step.verification.results() if step.verification is not None else []
         arrived = time.monotonic()  # when this step's tokens reached the host
         # Sequences that stopped (or were aborted) while this step was in flight are
         # done; their rows here are the extra ones.
@@ -261,6 +303,12 @@ class LLMEngine:
         for seq, result in zip(step.plan.samples, results):
             if seq in live:
                 self._after_token(seq, result.token_id)
+        for (seq, drafts), emitted in zip(step.plan.verified, verified):
+            self._finish_verified(seq, len(drafts), emitted, arrived)
+        for seq, start, rows in step.hidden_rows:
+            if not seq.is_finished:
+                # The rows whose tokens stand; the last precedes the token just sampled.
+                seq.drafter_backlog = (start, rows[: seq.num_computed_tokens - start])
         outputs = []
         for request_id in dict.fromkeys(seq.request_id for seq in running):
             request = self.requests.get(request_id)
@@ -269,6 +317,52 @@ class LLMEngine:
             if not finished_only or all(s.is_finished for s in request.seqs):
                 outputs.append(self._output(request))
         return outputs
+
+    def _finish_verified(self, seq: Sequence, num_drafts: int, emitted, arrived: float) -> None:
+        """Takes a verified sequence's accepted drafts and the target's token after them,
+        up to a stop; their K/V (the step wrote it) then counts as computed."""
+        if seq.is_finished:
+            return
+        self.spec_stats.record(num_drafts, len(emitted) - 1)
+        for result in emitted:
+            self._take_token(seq, result, arrived)
+            self._after_token(seq, result.token_id)
+            if seq.is_finished:
+                return
+        seq.num_computed_tokens += len(emitted) - 1
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.register_full_blocks(seq)
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """Drafts a decoding sequence verifies this step: none before the drafter has
+        read its last rows, while EOS is still blocked (min_tokens), or past its limit."""
+        if seq.drafter_backlog is None or not self._may_draft(seq):
+            return 0
+        params = seq.params
+        if seq.num_output_tokens < params.min_tokens:
+            return 0
+        limit = self.config.model.max_model_len
+        if params.max_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + params.max_tokens)
+        return max(
+            0, min(self.config.speculative.num_speculative_tokens, limit - seq.num_tokens - 1)
+        )
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        """Penalties, logit_bias and guides change each token's distribution with the
+        tokens before it; such sequences decode one token per step (logged once)."""
+        params = seq.params
+        feature = (
+            "penalties" if uses_penalties(params)
+            else "logit_bias or guided decoding" if params.has_logits_processors
+            else None
+        )  # fmt: skip
+        if feature is None:
+            return True
+        if feature not in self._skipped_features:
+            self._skipped_features.add(feature)
+            logger.info("speculative decoding: requests with %s decode without drafts", feature)
+        return False
 
     def _take_token(self, seq: Sequence, result, arrived: float) -> None:
         """Appends a sampled token, or fills the placeholder a fed step left for it."""
@@ -348,6 +442,7 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_decode=copy.deepcopy(self.spec_stats),
         )
 
 
@@ -359,6 +454,9 @@ class _Step:
     plan: _StepPlan
     logits: torch.Tensor | None  # kept only for prompt logprobs
     samples: PendingSamples | None
+    verification: PendingVerification | None = None
+    # (sequence, position of its first row, hidden states) for the drafter's backlog.
+    hidden_rows: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 class _StepPlan:
@@ -366,20 +464,27 @@ class _StepPlan:
     prompt positions of sequences that asked for prompt logprobs, and the last token of
     every sequence this step completes (it samples its next token)."""
 
-    def __init__(self, seqs: list[Sequence], num_new_tokens: list[int]):
+    def __init__(self, seqs: list[Sequence], num_new_tokens: list[int], drafts: list[list[int]]):
         self.inputs: list[StepInput] = []
         self.rows: list[int] = []
         self.prompt_logprobs: list[tuple[Sequence, int, int, int]] = []  # seq, first, last, row
         self.samples: list[Sequence] = []
         self.sample_rows: list[int] = []  # indexes into rows
+        self.verified: list[tuple[Sequence, list[int]]] = []  # sequences with drafts
+        self.verified_rows: list[int] = []  # indexes into rows, all of theirs
         self.token_starts: list[int] = []  # each sequence's first token row
         offset = 0
-        for seq, n in zip(seqs, num_new_tokens):
+        for seq, n, draft in zip(seqs, num_new_tokens, drafts):
             self.token_starts.append(offset)
             start = seq.num_computed_tokens
-            self.inputs.append(
-                StepInput(seq.token_ids[start : start + n], start, seq.block_tables, seq.state_slot)
-            )
+            tokens = seq.token_ids[start : start + n - len(draft)] + draft
+            self.inputs.append(StepInput(tokens, start, seq.block_tables, seq.state_slot))
+            if draft:
+                self.verified.append((seq, draft))
+                self.verified_rows += range(len(self.rows), len(self.rows) + n)
+                self.rows += range(offset, offset + n)
+                offset += n
+                continue
             if seq.prompt_logprobs is not None:
                 # Positions whose next prompt token has no entry yet (a preempted sequence
                 # recomputes positions it already recorded).
@@ -393,6 +498,20 @@ class _StepPlan:
                 self.rows.append(offset + n - 1)
                 self.samples.append(seq)
             offset += n
+
+
+def _select(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    if len(rows) == logits.shape[0]:
+        return logits
+    return logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
+
+
+def check_speculative(config: EngineConfig) -> None:
+    """Fails before any weight loads where speculative decoding cannot run."""
+    spec, model = config.speculative, config.model
+    if config.parallel.tensor_parallel_size > 1:
+        raise ConfigError("speculative decoding runs with tensor_parallel_size=1 for now")
+    spec.check_model(model.hf_config, model.entry.architecture, checkpoint_tensor_names(model.path))
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

@@ -19,6 +19,8 @@ from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.kv_cache import fp8_kv_cache_unsupported
 from atom.layers.quantization import get_quant_config
 from atom.loader import load_model_weights
+from atom.speculative.config import MTP_RECYCLES_NORMED, SpeculativeConfig
+from atom.speculative.mtp import MtpDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +36,21 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    config: ModelConfig, device: torch.device | str, progress: bool = True
+    config: ModelConfig,
+    device: torch.device | str,
+    progress: bool = True,
+    speculative: SpeculativeConfig | None = None,
 ) -> nn.Module:
-    """Instantiates the registry's class for the checkpoint and loads its weights."""
+    """Instantiates the registry's class for the checkpoint and loads its weights; with
+    `speculative`, the model carries its drafter as `model.drafter`."""
     model_cls = config.entry.load_class()
     quant_config = get_quant_config(config.hf_config)
     with torch.device(device), default_dtype(config.dtype):
         model = model_cls(config.hf_config, quant_config)
+        if speculative is not None:
+            model.drafter = MtpDrafter(
+                model, quant_config, MTP_RECYCLES_NORMED[config.entry.architecture]
+            )
     load_model_weights(model, config.path, progress=progress)
     return model.eval()
 
@@ -165,6 +175,20 @@ class ModelRunner:
         if not logit_rows:
             return None
         return self.model.compute_logits(self._rows(hidden, logit_rows)).float()
+
+    @torch.inference_mode()
+    def execute_keeping_hidden(
+        self, batch: list[StepInput], logit_rows: list[int]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """`execute`'s logits and the hidden states [T, hidden] of every new token (a
+        drafter reads them)."""
+        hidden = self.forward(batch)
+        logits = (
+            self.model.compute_logits(self._rows(hidden, logit_rows)).float()
+            if logit_rows
+            else None
+        )
+        return logits, hidden
 
     @torch.inference_mode()
     def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:

@@ -160,7 +160,7 @@ def pick(
     return tokens, torch.cat([tokens[:, None].double(), chosen.double()], 1)
 
 
-def _topk_columns(logprobs: torch.Tensor, k: int) -> list[torch.Tensor]:
+def topk_columns(logprobs: torch.Tensor, k: int) -> list[torch.Tensor]:
     """The top-k ids and values of each row, as float64 columns for a packed host copy."""
     if not k:
         return []
@@ -168,7 +168,7 @@ def _topk_columns(logprobs: torch.Tensor, k: int) -> list[torch.Tensor]:
     return [ids.double(), values.double()]
 
 
-def _unpack_entry(row: list[float], k: int, width: int) -> dict[int, float]:
+def unpack_entry(row: list[float], k: int, width: int) -> dict[int, float]:
     """{token: logprob} from a packed host row [token, logprob, width ids, width values]."""
     entry = {int(row[0]): row[1]}
     entry.update(zip(map(int, row[2 : 2 + k]), row[2 + width : 2 + width + k]))
@@ -182,9 +182,9 @@ def prompt_logprob_entries(
     logprobs = logits.log_softmax(-1)
     target = torch.tensor(targets).to(logits.device, non_blocking=True)[:, None]
     packed = torch.cat(
-        [target.double(), logprobs.gather(1, target).double(), *_topk_columns(logprobs, k)], 1
+        [target.double(), logprobs.gather(1, target).double(), *topk_columns(logprobs, k)], 1
     )
-    return [_unpack_entry(row, k, k) for row in packed.cpu().tolist()]
+    return [unpack_entry(row, k, k) for row in packed.cpu().tolist()]
 
 
 def uses_penalties(p: SamplingParams) -> bool:
@@ -209,14 +209,14 @@ class Sampler:
         self.default_generators: dict[torch.device, torch.Generator] = {}
         self.draw, self.pick = draw, compiled_pick() if compile else pick
 
-    def _default_generator(self, device: torch.device) -> torch.Generator:
+    def default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self.default_generators:
             self.default_generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self.default_generators[device]
 
-    def _noise(self, seqs: list[Sequence], like: torch.Tensor) -> torch.Tensor:
+    def noise_for(self, seqs: list[Sequence], like: torch.Tensor) -> torch.Tensor:
         """Exp(1) noise [R, vocab]; seeded sequences draw theirs from their own generator."""
-        noise = torch.empty_like(like).exponential_(generator=self._default_generator(like.device))
+        noise = torch.empty_like(like).exponential_(generator=self.default_generator(like.device))
         for i, seq in enumerate(seqs):
             if seq.seed is not None:
                 if seq.generator is None:
@@ -254,12 +254,12 @@ class Sampler:
                 index = torch.tensor(random_rows).to(logits.device, non_blocking=True)
             sampled = logits if every_row else logits[index]
             columns = filter_columns([params[i] for i in random_rows], sampled)
-            noise = self._noise([seqs[i] for i in random_rows], sampled)
+            noise = self.noise_for([seqs[i] for i in random_rows], sampled)
             drawn = self.draw(sampled, noise, *columns)
         tokens, packed = self.pick(logits, drawn, index)
         k = max((p.logprobs or 0 for p in params), default=0)
         if k:
-            packed = torch.cat([packed, *_topk_columns(logits.log_softmax(-1), k)], 1)
+            packed = torch.cat([packed, *topk_columns(logits.log_softmax(-1), k)], 1)
         return PendingSamples(tokens, packed, params, k)
 
     def sample(
@@ -287,6 +287,6 @@ class PendingSamples:
             self.copied.synchronize()
         results = []
         for p, row in zip(self.params, self.host.tolist()):
-            entry = _unpack_entry(row, p.logprobs, self.k) if p.logprobs is not None else None
+            entry = unpack_entry(row, p.logprobs, self.k) if p.logprobs is not None else None
             results.append(SampleResult(int(row[0]), row[1], entry))
         return results

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from atom.engine.block_manager import BlockManager
@@ -22,7 +23,8 @@ from atom.engine.state_cache import StateSlots
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]
+    num_new_tokens: list[int]  # drafts included
+    num_drafts: list[int]  # speculative tokens among them, verified this step
 
 
 class Scheduler:
@@ -32,10 +34,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         state_slots: StateSlots | None = None,
+        num_drafts: Callable[[Sequence], int] | None = None,
     ):
-        """state_slots: a hybrid model's state pool rows, one per running sequence."""
+        """state_slots: a hybrid model's state pool rows, one per running sequence.
+        num_drafts: how many speculative tokens a decoding sequence may verify in a step;
+        they count against the token budget and get pages like any other token."""
         self.block_manager = block_manager
         self.state_slots = state_slots
+        self.num_drafts = num_drafts
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -50,7 +56,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        chosen: list[tuple[Sequence, int]] = []
+        chosen: list[tuple[Sequence, int, int]] = []
         preempted = self.num_preemptions
         for seq in list(self.running):
             if budget == 0:
@@ -58,12 +64,15 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted while making room for an earlier sequence
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, n):
+            drafts = 0
+            if n == 1 and self.num_drafts is not None:
+                drafts = min(self.num_drafts(seq), budget - 1)
+            if not self._make_room(seq, n + drafts):
                 continue
             # Adds pages (most decode steps need none) and frees those the windows passed.
-            self.block_manager.allocate(seq, n)
-            chosen.append((seq, n))
-            budget -= n
+            self.block_manager.allocate(seq, n + drafts)
+            chosen.append((seq, n + drafts, drafts))
+            budget -= n + drafts
         # After a preemption the pool is full: admitting now would only preempt again.
         while (
             self.waiting
@@ -88,11 +97,11 @@ class Scheduler:
             if self.state_slots is not None:
                 seq.state_slot = self.state_slots.take()
             self.running[seq] = None
-            chosen.append((seq, n))
+            chosen.append((seq, n, 0))
             budget -= n
         # Rows with one new token first, as the attention schema requires (stable sort).
         chosen.sort(key=lambda item: item[1] > 1)
-        return ScheduledBatch([s for s, _ in chosen], [n for _, n in chosen])
+        return ScheduledBatch(*map(list, zip(*chosen))) if chosen else ScheduledBatch([], [], [])
 
     def _make_room(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Preempts later sequences until `seq` fits; False if `seq` itself was preempted."""
@@ -107,6 +116,7 @@ class Scheduler:
         del self.running[seq]
         self.block_manager.free_sequence(seq)
         self._release_state(seq)  # the recompute starts from zeros
+        seq.drafter_backlog = None  # and gives the drafter its rows again
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -119,6 +129,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free_sequence(seq)
         self._release_state(seq)
+        seq.drafter_backlog = None
 
     def _release_state(self, seq: Sequence) -> None:
         if seq.state_slot is not None:

@@ -45,6 +45,9 @@ class Sequence:
         self.block_tables: list[list[int]] = []
         self.num_released_blocks: list[int] = []
         self.state_slot: int | None = None  # a hybrid model's state pool row while scheduled
+        # Speculative decoding: (first position, the target's hidden states there) that
+        # the drafter has yet to read (atom.speculative.proposer).
+        self.drafter_backlog: tuple[int, torch.Tensor] | None = None
         self.num_hashed_blocks = 0
         self.last_block_hash: int | None = None
         # Completions of one seeded request draw different but reproducible tokens.

@@ -109,10 +109,14 @@ class DeepseekV2Model(LlamaModel):
 
 class MtpLayersSkipped:
     """Mixin of a causal LM whose checkpoints carry multi-token-prediction layers after the
-    last decoder layer (DeepSeek-V3, GLM-4.x MoE, MiniMax-M2): ATOM does not run them, so
-    loading skips them with one log line."""
+    last decoder layer (DeepSeek-V3, GLM-4.x MoE, MiniMax-M2): loading gives them to the
+    model's MTP drafter where speculative decoding attached one, else skips them with one
+    log line."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None:  # speculative decoding runs them (atom.speculative.mtp)
+            return super().load_weights(drafter.checkpoint_names(weights, "drafter"))
         mtp_layers: set[int] = set()
 
         def without_mtp() -> Iterator[tuple[str, torch.Tensor]]:

@@ -169,7 +169,24 @@ class _EngineStatsCollector(Collector):
             (CounterMetricFamily, "atom:num_preemptions",
              "Sequences preempted to free KV blocks.", stats.num_preemptions),
         ]  # fmt: skip
+        spec = stats.spec_decode
+        families += [
+            (CounterMetricFamily, "atom:spec_decode_num_drafts",
+             "Verify steps of a sequence with drafted tokens.", spec.num_drafts),
+            (CounterMetricFamily, "atom:spec_decode_num_draft_tokens",
+             "Drafted tokens verified.", spec.num_draft_tokens),
+            (CounterMetricFamily, "atom:spec_decode_num_accepted_tokens",
+             "Drafted tokens accepted.", spec.num_accepted_tokens),
+        ]  # fmt: skip
         for family, name, documentation, value in families:
             metric = family(name, documentation, labels=["model_name"])
             metric.add_metric([self._model_name], value)
             yield metric
+        per_position = CounterMetricFamily(
+            "atom:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts accepted at each draft position.",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(spec.accepted_per_position):
+            per_position.add_metric([self._model_name, str(position)], count)
+        yield per_position

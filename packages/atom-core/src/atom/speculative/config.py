@@ -1,0 +1,72 @@
+"""`speculative_config`: which drafter, how many tokens, and the checks made before loading."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from atom.config import ConfigError
+
+METHODS = ("mtp",)
+# Architectures whose checkpoints carry MTP layers ATOM runs (`num_nextn_predict_layers`
+# of them): whether the next draft reads the layer's normed output (mtp.MtpDrafter).
+MTP_RECYCLES_NORMED = {"DeepseekV3ForCausalLM": True, "Glm4MoeForCausalLM": False}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """method: "mtp" (the checkpoint's own multi-token-prediction layers).
+    num_speculative_tokens: drafts per step and sequence.
+    forced_acceptance: for benchmarks only, each draft is accepted with this probability
+    whatever the target says (the output then no longer follows the target), so the
+    mechanism's cost is measured apart from a random checkpoint's acceptance."""
+
+    method: str
+    num_speculative_tokens: int
+    forced_acceptance: float | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"speculative_config must be a dict, not {type(raw).__name__}")
+        known = {"method", "num_speculative_tokens", "forced_acceptance"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(
+                f"speculative_config has unknown field(s) {unknown}; known: {sorted(known)}"
+            )
+        if "method" not in raw or "num_speculative_tokens" not in raw:
+            raise ConfigError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        config = cls(raw["method"], raw["num_speculative_tokens"], raw.get("forced_acceptance"))
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(
+                f"speculative method {self.method!r} is not supported; use one of {list(METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        rate = self.forced_acceptance
+        if rate is not None and not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
+            raise ConfigError(f"forced_acceptance must be in [0, 1], got {rate!r}")
+
+    def check_model(self, hf_config: Any, architecture: str, tensor_names: set[str]) -> None:
+        """Fails before loading where the checkpoint cannot serve this method."""
+        field = "num_nextn_predict_layers"
+        if architecture not in MTP_RECYCLES_NORMED:
+            raise ConfigError(
+                f"speculative method 'mtp' is not supported for {architecture}; it is for "
+                f"{sorted(MTP_RECYCLES_NORMED)}"
+            )
+        count = getattr(hf_config, field, 0) or 0
+        if count < 1:
+            raise ConfigError(f"speculative method 'mtp' needs MTP layers, but {field} is {count}")
+        first = f"model.layers.{hf_config.num_hidden_layers}.eh_proj.weight"
+        if first not in tensor_names:
+            raise ConfigError(
+                f"speculative method 'mtp': the checkpoint has no MTP weights ({first} is "
+                f"missing although {field} is {count})"
+            )

@@ -1,0 +1,88 @@
+"""Runs the drafter: catches its K/V up with what the target computed, then drafts.
+
+The drafter's row at position p reads the target's hidden state at p and token p + 1, so
+it trails the target by one token: the rows of a step become the drafter's input at the
+next step, once their next tokens are known (`Sequence.drafter_backlog`). Each step:
+
+1. catch-up: one forward over every scheduled sequence's backlog writes the drafter's
+   K/V at those positions; a sequence that drafts takes its first draft from its last
+   row;
+2. k - 1 forwards of one row per drafting sequence, each reading the draft before it
+   and the drafter's own hidden state, write K/V past the sequence's end (the target's
+   verify step overwrites the target's layers there; the next catch-up the drafter's).
+
+Drafts are the drafter's argmax: the verifier treats them as draws from a one-hot
+distribution, which keeps the output exact (verifier.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.engine.sequence import Sequence
+from atom.engine.step_arrays import StepInput
+from atom.forward_context import set_forward_context
+
+
+class Proposer:
+    def __init__(self, model: nn.Module, prepare):
+        """prepare: the runner's StepInput list -> (input_ids, positions, metadata)."""
+        self.model = model
+        self.drafter = model.drafter
+        self.prepare = prepare
+
+    def _forward(
+        self, inputs: list[StepInput], hidden: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, positions, metadata = self.prepare(inputs)
+        with set_forward_context(metadata):
+            embeds = self.model.model.embed_tokens(input_ids)
+            return self.drafter(embeds, positions, hidden, step)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
+        """Drafts num_drafts[i] tokens for seqs[i] (0: catch-up only); every sequence with
+        drafts must have a backlog, and pages for its drafts' positions."""
+        order = sorted(
+            (i for i, seq in enumerate(seqs) if seq.drafter_backlog is not None),
+            key=lambda i: len(seqs[i].drafter_backlog[1]) > 1,  # one-row inputs first
+        )
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if not order:
+            return drafts
+        inputs, hidden, last_rows = [], [], []
+        for i in order:
+            seq = seqs[i]
+            start, rows = seq.drafter_backlog
+            seq.drafter_backlog = None
+            inputs.append(
+                StepInput(seq.token_ids[start + 1 : start + 1 + len(rows)], start, seq.block_tables)
+            )
+            hidden.append(rows)
+            last_rows.append(sum(len(h) for h in hidden) - 1)
+        logits, recycled = self._forward(inputs, torch.cat(hidden), 0)
+        drafting = [(i, row) for i, row in zip(order, last_rows) if num_drafts[i] > 0]
+        if not drafting:
+            return drafts
+        rows = torch.tensor([row for _, row in drafting], device=logits.device)
+        tokens, state = logits[rows].argmax(-1), recycled[rows]
+        ids = [i for i, _ in drafting]
+        for step in range(1, max(num_drafts[i] for i in ids) + 1):
+            for i, token in zip(ids, tokens.tolist()):
+                drafts[i].append(token)
+            keep = [j for j, i in enumerate(ids) if num_drafts[i] > step]
+            if not keep:
+                break
+            if len(keep) < len(ids):
+                index = torch.tensor(keep, device=tokens.device)
+                tokens, state = tokens[index], state[index]
+                ids = [ids[j] for j in keep]
+            inputs = [
+                # Token q + step, at position q + step - 1 (q: the last known token's).
+                StepInput([drafts[i][-1]], len(seqs[i].token_ids) + step - 2, seqs[i].block_tables)
+                for i in ids
+            ]
+            logits, state = self._forward(inputs, state, step)
+            tokens = logits.argmax(-1)
+        return drafts

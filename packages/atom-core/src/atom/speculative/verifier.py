@@ -1,0 +1,131 @@
+"""Verifies drafts against the target's logits so that the output follows the target.
+
+A sequence with k drafts d1..dk has k + 1 rows of target logits; row j gives the
+distribution p_j of the token after d1..dj. Drafts are deterministic (the drafter's
+argmax), so speculative sampling reduces to: accept d_{j+1} with probability
+p_j(d_{j+1}); at the first rejection emit a draw from p_j with d_{j+1} removed
+(renormalised); when every draft is accepted, emit a draw from p_k. Each emitted token
+then has exactly the target's distribution. Greedy rows accept a draft where it is the
+argmax and emit the argmax where it is not: the output is token for token the target's.
+
+With `forced_acceptance` r (benchmarks), each draft is accepted with probability r and
+the first rejected row emits the target's own token instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.engine.sampler import (
+    Sampler,
+    SampleResult,
+    filter_columns,
+    filter_scaled,
+    topk_columns,
+    unpack_entry,
+)
+from atom.engine.sequence import Sequence
+
+
+def _uniform(seqs: list[Sequence], sampler: Sampler, like: torch.Tensor) -> torch.Tensor:
+    u = torch.empty(len(seqs), device=like.device).uniform_(
+        generator=sampler.default_generator(like.device)
+    )
+    for i, seq in enumerate(seqs):
+        if seq.seed is not None:
+            if seq.generator is None:
+                seq.generator = torch.Generator(like.device).manual_seed(seq.seed)
+            u[i : i + 1].uniform_(generator=seq.generator)
+    return u
+
+
+def verify(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    drafts: list[list[int]],
+    sampler: Sampler,
+    forced_acceptance: float | None = None,
+) -> PendingVerification:
+    """logits: fp32 [sum(len(d) + 1), vocab], each sequence's rows in turn."""
+    device = logits.device
+    row_seqs = [seq for seq, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
+    draft_of_row = [t for d in drafts for t in [*d, -1]]
+    draft = torch.tensor(draft_of_row).to(device, non_blocking=True)
+    has_draft = draft >= 0
+    safe_draft = draft.clamp_min(0)[:, None]
+
+    fallback = logits.argmax(-1)
+    accept = has_draft & (fallback == draft)
+    random_rows = [i for i, seq in enumerate(row_seqs) if not seq.params.greedy]
+    if random_rows:
+        index = torch.tensor(random_rows).to(device, non_blocking=True)
+        rows = [row_seqs[i] for i in random_rows]
+        probs = filter_scaled(
+            logits[index], *filter_columns([s.params for s in rows], logits)
+        ).softmax(-1)
+        u = _uniform(rows, sampler, probs)
+        rejected_out = (
+            probs
+            if forced_acceptance is not None
+            else probs.scatter(
+                1,
+                safe_draft[index],
+                torch.where(has_draft[index, None], 0.0, probs.gather(1, safe_draft[index])),
+            )
+        )
+        noise = sampler.noise_for(rows, probs)
+        fallback = fallback.index_put((index,), (rejected_out / noise).argmax(-1))
+        accept_probability = probs.gather(1, safe_draft[index]).squeeze(1)
+        accept = accept.index_put((index,), has_draft[index] & (u < accept_probability))
+    if forced_acceptance is not None:
+        u = _uniform(row_seqs, sampler, logits)
+        accept = has_draft & (u < forced_acceptance)
+
+    emitted = torch.where(accept, draft, fallback)
+    logprobs = logits.log_softmax(-1)
+    k = max((s.params.logprobs or 0 for s in seqs), default=0)
+    packed = torch.cat(
+        [
+            emitted[:, None].double(),
+            logprobs.gather(1, emitted[:, None]).double(),
+            accept[:, None].double(),
+            *topk_columns(logprobs, k),
+        ],
+        1,
+    )
+    return PendingVerification(packed, seqs, [len(d) for d in drafts], k)
+
+
+class PendingVerification:
+    def __init__(self, packed: torch.Tensor, seqs: list[Sequence], num_drafts: list[int], k: int):
+        self.host = packed.to("cpu", non_blocking=True)
+        self.seqs, self.num_drafts, self.k = seqs, num_drafts, k
+        self.copied = None
+        if packed.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def results(self) -> list[list[SampleResult]]:
+        """Each sequence's emitted tokens: its accepted drafts, then one token of the target."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows = self.host.tolist()
+        results, start = [], 0
+        for seq, n in zip(self.seqs, self.num_drafts):
+            own = rows[start : start + n + 1]
+            start += n + 1
+            accepted = next((j for j, row in enumerate(own[:n]) if not row[2]), n)
+            wanted = seq.params.logprobs
+            results.append(
+                [
+                    SampleResult(
+                        int(row[0]),
+                        row[1],
+                        unpack_entry([row[0], row[1], *row[3:]], wanted, self.k)
+                        if wanted is not None
+                        else None,
+                    )
+                    for row in own[: accepted + 1]
+                ]
+            )
+        return results

@@ -1,0 +1,93 @@
+"""Speculative decoding with a checkpoint's MTP layer gives, token for token, the
+native engine's greedy output without it: through chunked prefill, prefix hits and
+preemption, with drafts that are mostly accepted and drafts that are always rejected."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from atom import LLM, SamplingParams
+from tests.engine.test_engine import assert_equal_up_to_float_rounding
+from tests.models.harness import make_prompts
+from tests.speculative.mtp_checkpoints import write_mtp_checkpoint
+
+
+def engine(folder, speculative: bool, **kwargs) -> LLM:
+    spec = {"method": "mtp", "num_speculative_tokens": 3} if speculative else None
+    return LLM(
+        model=str(folder),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        speculative_config=spec,
+        **kwargs,
+    )
+
+
+def prompts() -> list[list[int]]:
+    # Two prompts share a 20-token prefix so the second run hits the prefix cache.
+    base = make_prompts(256, [7, 20, 33, 3], seed=11)
+    return [*base, base[1] + [9, 4, 2]]
+
+
+def params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 17, 30, 9)
+    ] + [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[3, 50])]
+
+
+def run(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), params(), use_tqdm=False)]
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "glm-4.5"])
+@pytest.mark.parametrize("drafter", ["repeat", "random"])
+def test_greedy_output_is_the_targets(tmp_path, family, drafter):
+    folder = write_mtp_checkpoint(family, tmp_path, drafter)
+    expected = run(engine(folder, speculative=False))
+    # A small token budget chunks the prompts; few pages force preemptions.
+    llm = engine(folder, speculative=True, max_num_batched_tokens=16, num_blocks=18, block_size=4)
+    assert run(llm) == expected
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_blocks
+    spec = llm.engine.spec_stats
+    assert spec.num_draft_tokens > 0
+    if drafter == "repeat":  # steps that accept some drafts and steps that accept all
+        assert spec.acceptance_rate > 0.1 and spec.accepted_per_position[-1] > 0, spec
+    else:
+        assert spec.acceptance_rate < 0.1, spec
+    # A second pass is served from the prefix cache (and the drafter's K/V in its pages).
+    assert run(llm) == expected
+    assert llm.engine.stats().prefix_cache_hits > 0
+
+
+def test_logprobs_penalties_and_seeded_sampling(tmp_path, caplog):
+    folder = write_mtp_checkpoint("deepseek-v3", tmp_path, "repeat")
+    batch = prompts()[:3]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=16, ignore_eos=True),
+    ]
+
+    def outputs(llm: LLM):
+        return [
+            (c.token_ids, c.logprobs, c.cumulative_logprob)
+            for o in llm.generate(batch, params, use_tqdm=False)
+            for c in o.outputs
+        ]
+
+    expected = outputs(engine(folder, speculative=False))
+    with caplog.at_level(logging.INFO, logger="atom.engine.llm_engine"):
+        llm = engine(folder, speculative=True)
+        first, again = outputs(llm), outputs(llm)
+    # Greedy tokens and their logprobs are the target's; penalised requests run unchanged.
+    assert_equal_up_to_float_rounding(first[:2], expected[:2])
+    # A seeded request draws the same tokens again.
+    assert first[2][0] == again[2][0] and len(first[2][0]) == 16
+    skipped = [
+        r for r in caplog.records if "requests with penalties decode without drafts" in r.message
+    ]
+    assert len(skipped) == 1
