@@ -43,6 +43,11 @@ def test_every_series_is_documented(server):
     documented = {
         name: (kind, set(re.findall(r"`(\w+)`", labels)) - {"le"}) for name, kind, labels in rows
     }
+    # A family with no samples yet shows no labels (per-position spec-decode counts
+    # without speculative decoding).
+    for name, (kind, labels) in exported.items():
+        if not labels and name in documented:
+            exported[name] = (kind, documented[name][1])
     assert exported == documented
 
 
