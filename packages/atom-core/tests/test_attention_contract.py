@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from atom.layers.attention import Attention
-from atom.layers.attention_impl import AttentionImpl, MLAImpl, PagedCacheOwner
+from atom.layers.attention_impl import AttentionImpl, MLAImpl, PagedCacheOwner, SparseMLAImpl
 from atom.layers.attention_spec import AttentionSpec
 from atom.layers.mla_impl import NativeMLAImpl
 from atom.layers.paged_attention_impl import NativeAttentionImpl
@@ -30,7 +30,7 @@ SOURCES = [
     ("cls", "protocols"),
     [
         (NativeAttentionImpl, (AttentionImpl, PagedCacheOwner)),
-        (NativeMLAImpl, (MLAImpl, PagedCacheOwner)),
+        (NativeMLAImpl, (MLAImpl, SparseMLAImpl, PagedCacheOwner)),
     ],
 )
 def test_native_impls_satisfy_the_protocols(cls, protocols):

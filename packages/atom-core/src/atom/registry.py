@@ -79,6 +79,25 @@ _ENTRIES = (
         attention="MLA",
         moe=True,
     ),
+    # DeepSeek Sparse Attention (MLA + lightning indexer): the native engine so far.
+    ModelEntry(
+        "DeepseekV32ForCausalLM",
+        "deepseek_v32",
+        "DeepseekV32ForCausalLM",
+        "DeepSeek-V3.2",
+        attention="MLA",
+        moe=True,
+        hosts=("atom",),
+    ),
+    ModelEntry(
+        "GlmMoeDsaForCausalLM",
+        "deepseek_v32",
+        "GlmMoeDsaForCausalLM",
+        "GLM-5",
+        attention="MLA",
+        moe=True,
+        hosts=("atom",),
+    ),
     ModelEntry(
         "Glm4MoeForCausalLM",
         "glm4_moe",

@@ -61,6 +61,20 @@ _MLA = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+# DeepSeek Sparse Attention: V3's MLA (with q-LoRA, which the indexer reads) and routing,
+# plus an indexer of 8 heads that keeps the top 8 tokens, so prompts of 32 and more
+# attend sparsely. transformers 5.12 sizes the experts by num_experts.
+_DSA = dict(
+    _MLA,
+    q_lora_rank=48,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    num_experts=_MLA["n_routed_experts"],
+    index_topk=8,
+    index_n_heads=8,
+    index_head_dim=32,
+)
 # Gated DeltaNet hybrids: three DeltaNet layers, then one full-attention layer (the
 # configs' default full_attention_interval of 4); two key heads of four value heads.
 _HYBRID = dict(
@@ -106,6 +120,9 @@ _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "DeepseekV3Config",
         dict(_MLA, n_group=4, topk_group=2, routed_scaling_factor=2.5),
     ),
+    "DeepseekV32ForCausalLM": ("DeepseekV32Config", _DSA),
+    # GLM-5: the second layer reuses the first one's selection.
+    "GlmMoeDsaForCausalLM": ("GlmMoeDsaConfig", dict(_DSA, indexer_types=["full", "shared"])),
     # GLM-4.x MoE: a dense first layer, then V3 routing (4 groups, 2 picked) with shared
     # experts; q/k/v biases, QK-norm, rotary on half of each head; expert MLPs of 96
     # (no multiple of 64, the usual kernel block).
