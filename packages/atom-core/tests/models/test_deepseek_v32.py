@@ -7,13 +7,23 @@ wrong selection shows in the logits (`test_the_selection_matters` checks that it
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from atom import LLM, SamplingParams
+from atom.config import ConfigError, ModelConfig
+from atom.engine.model_runner import build_model
 from atom.testing import hf_greedy, random_prompts, tiny_config
 from atom.testing.hf_references import skip_without_hf_reference
-from tests.models.harness import check_against_hf, hf_logits, load_hf, write_with_random_vectors
+from tests.models.harness import (
+    check_against_hf,
+    hf_logits,
+    load_hf,
+    write_checkpoint,
+    write_with_random_vectors,
+)
 
 ARCHITECTURES = ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"]
 TOPK = tiny_config("DeepseekV32ForCausalLM").index_topk
@@ -107,3 +117,25 @@ def test_selection_is_reused_by_shared_layers_only(checkpoint):
     ]
     assert all(layer.self_attn.attn.spec.index_topk == TOPK for layer in layers)
     assert torch.is_tensor(layers[0].self_attn.attn.index_cache)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("scoring_func", "relu", "config field scoring_func='relu' is not supported"),
+        ("topk_method", "hash", "config field topk_method='hash' is not supported"),
+        ("indexer_types", ["full", "compressed"], "config field indexer_types has ['compressed']"),
+        ("indexer_types", ["shared", "full"], "config field indexer_types=['shared', 'full']"),
+        ("index_topk", 0, "config field index_topk=0 must be >= 1"),
+        ("index_head_dim", 8, "config field index_head_dim=8 must be even and hold"),
+    ],
+)
+def test_variant_atom_lacks_fails_at_load_naming_the_field(tmp_path, field, value, message):
+    skip_without_hf_reference("DeepseekV32ForCausalLM")
+    folder = write_checkpoint(tiny_config("DeepseekV32ForCausalLM", num_hidden_layers=2), tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    raw[field] = value
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as error:
+        build_model(ModelConfig.from_pretrained(folder), "cpu", progress=False)
+    assert message in str(error.value) and "\n" not in str(error.value)

@@ -45,10 +45,6 @@ def indexer_types(config: Any) -> list[str]:
 
 def check_sparse_attention_config(config: Any) -> None:
     """Raises ConfigError naming the field of a DSA config ATOM cannot run."""
-    if config.q_lora_rank is None:
-        raise ConfigError(
-            "config field q_lora_rank is null: the sparse-attention indexer reads the q-LoRA latent"
-        )
     if not config.index_topk >= 1:
         raise ConfigError(f"config field index_topk={config.index_topk} must be >= 1")
     rope = config.qk_rope_head_dim
