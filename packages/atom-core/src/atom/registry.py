@@ -99,6 +99,15 @@ _ENTRIES = (
         hosts=("atom",),
     ),
     ModelEntry(
+        "Kimi_K25ForConditionalGeneration",
+        "kimi_k25",
+        "KimiK25ForCausalLM",
+        "Kimi-K2.5 (the text model of the multimodal checkpoints)",
+        attention="MLA",
+        moe=True,
+        hosts=("atom",),
+    ),
+    ModelEntry(
         "Glm4MoeForCausalLM",
         "glm4_moe",
         "Glm4MoeForCausalLM",

@@ -36,6 +36,8 @@ def hf_reference_problem(architecture: str) -> str | None:
         return "this transformers has no DeepSeek-V3.2 (transformers.models.deepseek_v32)"
     if architecture == "GlmMoeDsaForCausalLM":
         return _glm_moe_dsa_problem()
+    if architecture == "Kimi_K25ForConditionalGeneration" and _module("kimi_k25") is None:
+        return "this transformers has no Kimi-K2.5 (transformers.models.kimi_k25)"
     return None
 
 
@@ -47,3 +49,14 @@ def skip_without_hf_reference(architecture: str) -> None:
         import pytest
 
         pytest.skip(problem)
+
+
+def hf_causal_lm_class(model_dir: str):
+    """The transformers Auto class that runs a checkpoint on text prompts: the causal LM,
+    or the whole multimodal model where its config has no causal-LM class (Kimi-K2.5)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    if type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModelForImageTextToText
