@@ -14,7 +14,7 @@ from torch import nn
 
 from atom.kernels import paged_attention
 from atom.layers.attention import Attention
-from atom.layers.attention_impl import AttentionImpl, MLAImpl, PagedCacheOwner
+from atom.layers.attention_impl import AttentionImpl, MLAImpl, PagedCacheOwner, SparseMLAImpl
 from atom.layers.attention_spec import AttentionSpec
 from atom.layers.mla_impl import NativeMLAImpl
 from atom.layers.paged_attention_impl import NativeAttentionImpl, write_kv_and_attend
@@ -32,7 +32,7 @@ SOURCES = [
     ("cls", "protocols"),
     [
         (NativeAttentionImpl, (AttentionImpl, PagedCacheOwner)),
-        (NativeMLAImpl, (MLAImpl, PagedCacheOwner)),
+        (NativeMLAImpl, (MLAImpl, SparseMLAImpl, PagedCacheOwner)),
     ],
 )
 def test_native_impls_satisfy_the_protocols(cls, protocols):

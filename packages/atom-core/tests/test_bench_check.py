@@ -23,6 +23,7 @@ from atom.bench.workloads import Workload, make_prompts
 from atom.cli import main
 from atom.registry import all_models
 from atom.testing import VOCAB, tiny_config, write_checkpoint
+from atom.testing.hf_references import skip_without_hf_reference
 
 
 def test_from_entries_aligns_each_position_with_the_next_token():
@@ -90,6 +91,7 @@ def test_every_family_passes_the_check_on_the_cpu(tmp_path, entry):
     """The check `atom bench check` runs on the GPU, here in float32 for every registered
     architecture: ATOM's engine (prompt logprobs through paged KV) against HF's forward.
     The streams run past tiny-gpt-oss's 16-token window."""
+    skip_without_hf_reference(entry.architecture)
     folder = write_checkpoint(tiny_config(entry.architecture), tmp_path, init_std=0.1)
     metrics, (ok, bound) = _teacher_forced(folder, stream_len=40)
     assert ok, (metrics, bound)

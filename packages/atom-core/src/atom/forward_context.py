@@ -119,6 +119,20 @@ class AttentionMetadata:
         new_tokens = int(starts[end] - starts[first])
         return int(self.seq_lens_cpu.numpy()[first:end].sum()) > new_tokens  # contexts >= 0
 
+    @cached_property
+    def query_token_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence [T], keys [T]) int32 on the device: each query token's sequence and how
+        many keys it sees (its position + 1). Built once per step from query_start_loc and
+        seq_lens with static shapes (no sync), for kernels that run one program per query
+        token (the sparse-attention indexer); tokens past the last sequence (a host's
+        padding) see none."""
+        starts = self.query_start_loc
+        tokens = torch.arange(self.num_tokens, device=starts.device, dtype=starts.dtype)
+        seq = torch.searchsorted(starts[1:], tokens, right=True).clamp_(max=self.num_seqs - 1)
+        keys = self.seq_lens[seq] - (starts[seq + 1] - tokens) + 1
+        keys = torch.where(tokens < starts[-1], keys, 0)
+        return seq.int(), keys.int()
+
     def host_query_start_loc(self) -> list[int]:
         src = (
             self.query_start_loc_cpu

@@ -12,13 +12,13 @@ import random
 from pathlib import Path
 
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
 from atom.config import ModelConfig
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
 from atom.engine.state_cache import allocate_state_cache, is_hybrid
 from atom.testing import write_checkpoint  # noqa: F401  (the suites import it from here)
+from atom.testing.hf_references import hf_causal_lm_class
 
 FP32_ATOL = 1e-4
 
@@ -70,7 +70,7 @@ def write_with_random_vectors(config, folder: Path, dtype: torch.dtype = torch.f
 
 
 def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model = hf_causal_lm_class(folder).from_pretrained(folder, dtype=dtype)
     # Greedy references run to max_new_tokens through EOS, like ignore_eos in ATOM.
     # (min_new_tokens would instead forbid EOS and change the argmax.)
     model.generation_config.eos_token_id = None
@@ -136,7 +136,7 @@ def check_against_hf(
     """
     hf = load_hf(folder, dtype)
     paged = PagedModel(atom_folder or folder, dtype)
-    vocab = hf.config.vocab_size
+    vocab = hf.config.get_text_config().vocab_size
     seqs = make_prompts(vocab, prompt_lengths)
     tables = [paged.pages_for([], len(s) + decode_steps) for s in seqs]
     slots = paged.state_slots(len(seqs))
@@ -191,7 +191,7 @@ def check_greedy_generation(
     from atom import LLM, SamplingParams
 
     hf = load_hf(folder)
-    prompts = make_prompts(hf.config.vocab_size, prompt_lengths, seed=7)
+    prompts = make_prompts(hf.config.get_text_config().vocab_size, prompt_lengths, seed=7)
     llm = LLM(
         model=str(folder),
         dtype="float32",

@@ -196,11 +196,12 @@ class HfEngine:
 
     def __init__(self, job: dict):
         import torch
-        import transformers
+
+        from atom.testing.hf_references import hf_causal_lm_class
 
         self.device = job["device"]
         # Loaded on the CPU, then moved: a device_map would need `accelerate`.
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+        self.model = hf_causal_lm_class(job["model"]).from_pretrained(
             job["model"], dtype=getattr(torch, job_dtype(job))
         )
         self.model.to(self.device).eval()

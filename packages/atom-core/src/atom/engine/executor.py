@@ -26,6 +26,7 @@ from atom.engine.model_runner import (
     build_model,
     check_fp8_kv_cache,
     kv_cache_bytes_per_block,
+    kv_cache_page_parts,
 )
 from atom.engine.state_cache import allocate_state_cache, num_state_slots, state_bytes_per_slot
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
@@ -143,6 +144,9 @@ class Executor:
             config.cache.block_size,
             shard.page_bytes(),
             shard.page_bytes(full_layout=True),
+            kv_cache_page_parts(
+                shard.model, config.cache.block_size, shard.cache_dtype, shard.kv_groups
+            ),
         )
         self._broadcast(self.num_blocks)
         self.runner = shard.allocate(self.num_blocks)

@@ -16,7 +16,7 @@ engine keeps one group, the full layout, and says so.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -99,6 +99,9 @@ class KVCacheLayout:
     block_size: int
     page_bytes: int  # one page over all cache tensors
     full_layout_page_bytes: int  # the same page if every layer kept every page
+    # page_bytes by what it holds (model_runner.kv_cache_page_parts), when that is more
+    # than K/V: MLA latents and sparse attention's indexer keys.
+    page_parts: dict[str, int] = field(default_factory=dict)
 
     @property
     def windows(self) -> list[int | None]:
@@ -134,6 +137,11 @@ class KVCacheLayout:
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {tokens} "
             f"tokens ({dtype})"
         )
+        if len(self.page_parts) > 1:
+            per_token = " + ".join(
+                f"{size / self.block_size:.0f} B {label}" for label, size in self.page_parts.items()
+            )
+            head = f"{head}, {self.page_bytes / self.block_size:.0f} B per token ({per_token})"
         if self.windows == [None]:
             return f"{head}, {tokens / context_len:.1f} sequences of {context_len} tokens"
         pages = pages_held(self.windows, self.block_size, context_len)

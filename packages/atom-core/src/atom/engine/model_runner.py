@@ -97,6 +97,27 @@ def allocate_kv_cache(
     return total
 
 
+def kv_cache_page_parts(
+    model: nn.Module,
+    block_size: int,
+    dtype: torch.dtype,
+    groups: list[KVCacheGroup] | None = None,
+) -> dict[str, int]:
+    """Bytes of one page (allocate_kv_cache's layout) by what the tensors hold: "K/V", or
+    the impl's `kv_cache_labels` (an MLA layer's latents and its indexer keys)."""
+    per_element = torch.empty((), dtype=dtype).element_size()
+    parts: dict[str, int] = {}
+    for members in shared_slots(_groups(model, groups)):
+        impl = members[0][1]
+        shapes = impl.kv_cache_shapes(1, block_size)
+        labels = (
+            impl.kv_cache_labels() if hasattr(impl, "kv_cache_labels") else ["K/V"] * len(shapes)
+        )
+        for label, shape in zip(labels, shapes):
+            parts[label] = parts.get(label, 0) + per_element * torch.Size(shape).numel()
+    return parts
+
+
 def kv_cache_bytes_per_block(
     model: nn.Module,
     block_size: int,
@@ -104,12 +125,7 @@ def kv_cache_bytes_per_block(
     groups: list[KVCacheGroup] | None = None,
 ) -> int:
     """Bytes of one page over all cache tensors (allocate_kv_cache's layout)."""
-    per_element = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for members in shared_slots(_groups(model, groups)):
-        for shape in members[0][1].kv_cache_shapes(1, block_size):
-            total += per_element * torch.Size(shape).numel()
-    return total
+    return sum(kv_cache_page_parts(model, block_size, dtype, groups).values())
 
 
 class ModelRunner:

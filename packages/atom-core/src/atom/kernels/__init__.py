@@ -13,6 +13,7 @@ from atom.kernels.fp8 import (
     quantize_fp8_per_token_group,
 )
 from atom.kernels.fused_qkv import fused_qkv_rope_write_kv
+from atom.kernels.indexer import indexer_topk, write_indexer_keys
 from atom.kernels.kv_cache import write_kv_cache
 from atom.kernels.mla import (
     absorb_query,
@@ -27,6 +28,7 @@ from atom.kernels.moe import fused_moe, grouped_topk, topk_softmax
 from atom.kernels.norm import fused_add_rms_norm, rms_norm
 from atom.kernels.paged_attention import AttentionScoring, PagedKVCache, paged_attention
 from atom.kernels.rotary import apply_rotary_emb, compute_cos_sin_cache
+from atom.kernels.sparse_mla import sparse_mla, sparse_mla_attention
 
 __all__ = [
     "FP8_DTYPE",
@@ -42,6 +44,7 @@ __all__ = [
     "fused_moe",
     "fused_qkv_rope_write_kv",
     "grouped_topk",
+    "indexer_topk",
     "mla_attention",
     "mla_decode_attention",
     "mla_latent_attention",
@@ -53,7 +56,10 @@ __all__ = [
     "quantize_fp8_per_token_group",
     "rms_norm",
     "silu_and_mul",
+    "sparse_mla",
+    "sparse_mla_attention",
     "topk_softmax",
+    "write_indexer_keys",
     "write_kv_cache",
     "write_mla_cache",
 ]

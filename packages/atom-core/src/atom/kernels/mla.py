@@ -37,7 +37,7 @@ from atom.kernels.paged_attention import (
 from atom.kernels.policy import dispatch, register
 
 
-def _sequences(
+def sequence_spans(
     metadata: AttentionMetadata, first: int, last: int
 ) -> Iterator[tuple[int, int, int, int]]:
     """(sequence, query row begin, end, seq_len) of sequences [first, last) with new tokens.
@@ -63,7 +63,7 @@ def expand_latent_output(latent_out: torch.Tensor, w_uv: torch.Tensor) -> torch.
     return torch.einsum("thl,hvl->thv", latent_out, w_uv)
 
 
-def _query_positions(begin: int, end: int, seq_len: int, device: torch.device) -> torch.Tensor:
+def query_positions(begin: int, end: int, seq_len: int, device: torch.device) -> torch.Tensor:
     return torch.arange(seq_len - (end - begin), seq_len, device=device)
 
 
@@ -100,10 +100,10 @@ def _cached_rows(kv_cache, table_row, seq_len, kv_scale, dtype) -> torch.Tensor:
 def mla_decode_attention_torch(q_latent, q_pe, kv_cache, metadata, scale, out, kv_scale=1.0):
     latent_dim = q_latent.shape[-1]
     query = torch.cat([q_latent, q_pe], dim=-1)
-    for i, begin, end, seq_len in _sequences(metadata, 0, metadata.num_decodes):
+    for i, begin, end, seq_len in sequence_spans(metadata, 0, metadata.num_decodes):
         rows = _cached_rows(kv_cache, metadata.block_table[i], seq_len, kv_scale, query.dtype)
         kv = rows.unsqueeze(1)
-        mask = attention_mask(_query_positions(begin, end, seq_len, query.device), seq_len, None)
+        mask = attention_mask(query_positions(begin, end, seq_len, query.device), seq_len, None)
         out[begin:end] = dense_attention(
             query[begin:end], kv, kv[..., :latent_dim], mask, scale, None
         )
@@ -139,13 +139,13 @@ def mla_prefill_attention_torch(
 ):
     num_heads, _, latent_dim = w_uk.shape
     query = torch.cat([q_nope, q_pe], dim=-1)
-    for i, begin, end, seq_len in _sequences(metadata, metadata.num_decodes, metadata.num_seqs):
+    for i, begin, end, seq_len in sequence_spans(metadata, metadata.num_decodes, metadata.num_seqs):
         rows = _cached_rows(kv_cache, metadata.block_table[i], seq_len, kv_scale, torch.float32)
         kv_c, k_pe = rows[:, :latent_dim], rows[:, latent_dim:]
         k_nope = torch.einsum("ml,hdl->mhd", kv_c, w_uk.float())
         value = torch.einsum("ml,hdl->mhd", kv_c, w_uv.float())
         key = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, num_heads, -1)], dim=-1)
-        mask = attention_mask(_query_positions(begin, end, seq_len, query.device), seq_len, None)
+        mask = attention_mask(query_positions(begin, end, seq_len, query.device), seq_len, None)
         out[begin:end] = dense_attention(query[begin:end], key, value, mask, scale, None)
     return out
 

@@ -15,7 +15,7 @@ these protocols; a test checks each class against them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -53,6 +53,28 @@ class MLAImpl(Protocol):
 
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SparseMLAImpl(Protocol):
+    """The DeepSeek Sparse Attention part of an MLA impl whose spec has `index_topk`.
+
+    select_tokens: the step's indexer inputs (`atom.layers.indexer.IndexerQuery`) ->
+    each token's top-k cache slots [T, topk] (-1: none); the impl writes the indexer keys
+    into the key cache it keeps beside the latents. attend_selected: forward's inputs and
+    those slots -> [T, H, Dv], attending only to the selected tokens.
+    """
+
+    def select_tokens(self, index: Any) -> torch.Tensor: ...
+
+    def attend_selected(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        topk_slots: torch.Tensor,
     ) -> torch.Tensor: ...
 
 

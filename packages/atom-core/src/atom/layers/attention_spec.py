@@ -88,6 +88,12 @@ class AttentionSpec:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     kv_b_proj: Any = None
+    # MLA with DeepSeek Sparse Attention: each query attends to the index_topk tokens its
+    # lightning indexer selects (0: dense MLA); index_head_dim is the width of the indexer
+    # key cache the layer keeps beside its latents (0: the layer reuses another layer's
+    # selection and keeps none).
+    index_topk: int = 0
+    index_head_dim: int = 0
     # MHA: the q/k norm + rotary the model applies before the cache (see QKRope).
     qk_rope: QKRope | None = None
     # MHA: per-head attention-sink logits [num_heads] (GPT-OSS), the model's own parameter

@@ -8,7 +8,7 @@ rope, and hands both to an MLA AttentionImpl, which caches the latents and atten
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -30,7 +30,8 @@ class MultiHeadLatentAttention(nn.Module):
     """hidden [T, hidden_size] -> [T, hidden_size]; q-LoRA when q_lora_rank is set.
 
     rope_interleaved: rope pairs channels (2i, 2i+1) of the rope part (DeepSeek's layout);
-    otherwise (i, i + R/2).
+    otherwise (i, i + R/2). index_topk / index_head_dim: the sparse-attention fields of the
+    spec (atom.layers.dsa_attention builds them).
     """
 
     def __init__(
@@ -48,6 +49,8 @@ class MultiHeadLatentAttention(nn.Module):
         bias: bool = False,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        index_topk: int = 0,
+        index_head_dim: int = 0,
     ):
         super().__init__()
         self.num_heads = divide(num_heads, get_tp_group().world_size, "num_attention_heads")
@@ -102,24 +105,42 @@ class MultiHeadLatentAttention(nn.Module):
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope_head_dim,
             kv_b_proj=self.kv_b_proj,
+            index_topk=index_topk,
+            index_head_dim=index_head_dim,
         )
         # Built last so that its weight hook runs after kv_b_proj's own (module order).
         self.attn = create_attention_impl(spec)
 
-    def project_queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[LatentInputs, torch.Tensor | None]:
+        """The impl's inputs, and the normalised q-LoRA latent (None without q-LoRA), which
+        a sparse layer's indexer reads too."""
         if self.q_lora_rank is None:
+            q_latent = None
             q = self.q_proj(hidden_states)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        return q.view(-1, self.num_heads, self.qk_head_dim)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q_nope, q_pe = self.project_queries(hidden_states).split(
+            q_latent = self.q_a_layernorm(self.q_a_proj(hidden_states))
+            q = self.q_b_proj(q_latent)
+        q_nope, q_pe = q.view(-1, self.num_heads, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
         )
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
-        out = self.attn(q_nope, q_pe, self.kv_a_layernorm(kv_c), k_pe.squeeze(1))
-        return self.o_proj(out.flatten(1))
+        return LatentInputs(q_nope, q_pe, self.kv_a_layernorm(kv_c), k_pe.squeeze(1)), q_latent
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        inputs, _ = self.project(positions, hidden_states)
+        return self.o_proj(self.attn(*inputs).flatten(1))
+
+
+class LatentInputs(NamedTuple):
+    """What an MLA impl takes: q_nope [T, H, Dn], q_pe [T, H, R] (rotated), kv_c [T, L]
+    (normalised latent), k_pe [T, R] (rotated)."""
+
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor

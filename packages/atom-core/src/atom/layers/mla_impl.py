@@ -8,9 +8,18 @@ import torch
 from torch import nn
 
 from atom.forward_context import AttentionMetadata, get_forward_context
-from atom.kernels import absorb_query, expand_latent_output, mla_attention, write_mla_cache
+from atom.kernels import (
+    absorb_query,
+    expand_latent_output,
+    indexer_topk,
+    mla_attention,
+    sparse_mla,
+    write_indexer_keys,
+    write_mla_cache,
+)
 from atom.kernels.policy import is_capturable
 from atom.layers.attention_spec import AttentionSpec
+from atom.layers.indexer import IndexerQuery
 
 
 class NativeMLAImpl(nn.Module):
@@ -23,11 +32,24 @@ class NativeMLAImpl(nn.Module):
     With an fp8 cache, `k_scale` is the one per-tensor scale of the latent rows (the
     checkpoint's `k_scale`, set by atom.loader, or 1.0); a checkpoint's `v_scale` is
     taken and not used (there are no separate values).
+
+    A sparse spec (`index_topk`, DeepSeek Sparse Attention) adds an indexer key cache
+    [num_blocks, block_size, index_head_dim] in the same pages (same block table and slot
+    mapping), so it is sized, shared by prefix hits and freed with the latents.
+    `select_tokens` writes a step's indexer keys and returns each token's top-k cache
+    slots; `attend_selected` attends only to those (the `SparseMLAImpl` protocol). An fp8 cache holds the indexer
+    keys in fp8 too, at scale 1.0 (they are LayerNorm'd).
     """
 
     # The ops of a captured (pure-decode) step: their Triton kernels are capturable, the
     # torch references loop over host-side lengths.
     DECODE_OPS = ("write_mla_cache", "mla_decode_attention")
+    SPARSE_DECODE_OPS = (
+        "write_mla_cache",
+        "write_indexer_keys",
+        "indexer_topk",
+        "sparse_mla_attention",
+    )
 
     def __init__(self, spec: AttentionSpec):
         super().__init__()
@@ -38,6 +60,7 @@ class NativeMLAImpl(nn.Module):
         # The activation dtype, which the model is built under (weights may be FP8).
         self.dtype = torch.get_default_dtype()
         self.kv_cache: torch.Tensor | None = None
+        self.index_cache: torch.Tensor | None = None
         self.kv_group = 0
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -47,15 +70,42 @@ class NativeMLAImpl(nn.Module):
     @property
     def cuda_graph_safe(self) -> bool:
         device = next(self.spec.kv_b_proj.parameters()).device
-        return all(is_capturable(op, device) for op in self.DECODE_OPS)
+        ops = self.SPARSE_DECODE_OPS if self.spec.index_topk else self.DECODE_OPS
+        return all(is_capturable(op, device) for op in ops)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         s = self.spec
-        return [(num_blocks, block_size, s.kv_lora_rank + s.qk_rope_head_dim)]
+        shapes = [(num_blocks, block_size, s.kv_lora_rank + s.qk_rope_head_dim)]
+        if s.index_head_dim:
+            shapes.append((num_blocks, block_size, s.index_head_dim))
+        return shapes
+
+    def kv_cache_labels(self) -> list[str]:
+        """What each of kv_cache_shapes' tensors holds, for the start-up summary."""
+        return ["MLA latents", "indexer keys"][: len(self.kv_cache_shapes(1, 1))]
 
     def bind_kv_cache(self, caches: Sequence[torch.Tensor], kv_group: int = 0) -> None:
-        (self.kv_cache,) = caches
+        self.kv_cache, self.index_cache = (*caches, None)[:2]
         self.kv_group = kv_group
+
+    def _step(self) -> AttentionMetadata:
+        metadata = get_forward_context().attn_metadata
+        if metadata is None or self.kv_cache is None:
+            raise RuntimeError(
+                f"{self.spec.layer_name}: attention needs a KV cache and step metadata "
+                "(run the model under atom.forward_context.set_forward_context)"
+            )
+        return metadata.for_kv_group(self.kv_group)
+
+    def select_tokens(self, index: IndexerQuery) -> torch.Tensor:
+        """Writes the step's indexer keys, then each token's top-k cache slots [T, topk]."""
+        if self.index_cache is None:
+            raise RuntimeError(f"{self.spec.layer_name}: the layer keeps no indexer key cache")
+        metadata = self._step()
+        write_indexer_keys(index.k, self.index_cache, metadata.slot_mapping)
+        return indexer_topk(
+            index.q, index.weights, self.index_cache, metadata, self.spec.index_topk
+        )
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
@@ -75,15 +125,24 @@ class NativeMLAImpl(nn.Module):
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
-        metadata = get_forward_context().attn_metadata
-        if metadata is None or self.kv_cache is None:
-            raise RuntimeError(
-                f"{self.spec.layer_name}: attention needs a KV cache and step metadata "
-                "(run the model under atom.forward_context.set_forward_context)"
-            )
-        return self.attend(
-            q_nope, q_pe, kv_c, k_pe, self.kv_cache, metadata.for_kv_group(self.kv_group)
-        )
+        return self.attend(q_nope, q_pe, kv_c, k_pe, self.kv_cache, self._step())
+
+    def attend_selected(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        topk_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward's step over only each token's selected cache slots [T, topk]."""
+        metadata = self._step()
+        self._check_split()
+        write_mla_cache(kv_c, k_pe, self.kv_cache, metadata.slot_mapping, kv_scale=self.k_scale)
+        return sparse_mla(
+            q_nope, q_pe, self.kv_cache, topk_slots, self.spec.scale, self.w_uk, self.w_uv,
+            kv_scale=self.k_scale,
+        )  # fmt: skip
 
     def attend(
         self,

@@ -19,18 +19,31 @@ from atom.config import ConfigError
 _DEFAULT_ROUTING = {
     "deepseek_v2": ("softmax", "greedy"),
     "deepseek_v3": ("sigmoid", "noaux_tc"),
+    "deepseek_v32": ("sigmoid", "noaux_tc"),
     "glm4_moe": ("sigmoid", "noaux_tc"),
+    "glm_moe_dsa": ("sigmoid", "noaux_tc"),
 }
+SCORING_FUNCS = ("sigmoid", "softmax")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+def _named(config: Any, field: str, default: str, known: tuple[str, ...]) -> str:
+    value = getattr(config, field, None) or default
+    if value not in known:
+        raise ConfigError(
+            f"config field {field}={value!r} is not supported (ATOM routes with {', '.join(known)})"
+        )
+    return value
 
 
 def grouped_topk_routing(config: Any) -> dict[str, Any]:
     """FusedMoE routing arguments of `config`. Always `grouped_topk`, which without
     groups is plain top-k and also applies routed_scaling_factor."""
     scoring, method = _DEFAULT_ROUTING.get(config.model_type, _DEFAULT_ROUTING["deepseek_v2"])
-    method = getattr(config, "topk_method", None) or method
+    method = _named(config, "topk_method", method, TOPK_METHODS)
     grouped = method in ("group_limited_greedy", "noaux_tc")
     return dict(
-        scoring_func=getattr(config, "scoring_func", None) or scoring,
+        scoring_func=_named(config, "scoring_func", scoring, SCORING_FUNCS),
         use_grouped_topk=True,
         num_expert_group=config.n_group if grouped else None,
         topk_group=config.topk_group if grouped else None,

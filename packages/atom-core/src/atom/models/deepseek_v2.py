@@ -32,7 +32,7 @@ CORRECTION_BIAS_MAPPING = (
 )
 
 
-def _layer_index(prefix: str) -> int:
+def layer_index(prefix: str) -> int:
     return int(prefix.split("layers.")[1].split(".")[0])
 
 
@@ -72,33 +72,45 @@ class DeepseekV2MoE(nn.Module):
         return out
 
 
+def mla_arguments(config: Any, quant_config, prefix: str) -> dict[str, Any]:
+    """MultiHeadLatentAttention's arguments from a DeepSeek-shaped config."""
+    return dict(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        max_position=config.max_position_embeddings,
+        rope_parameters=get_rope_parameters(config),
+        # V2 rotates interleaved pairs (complex rope); V3 configs may say otherwise.
+        rope_interleaved=getattr(config, "rope_interleave", True),
+        bias=getattr(config, "attention_bias", False),
+        quant_config=quant_config,
+        prefix=prefix,
+    )
+
+
+def _is_moe_layer(config: Any, index: int) -> bool:
+    # Newer configs (V3.2, GLM-5) list each layer's MLP kind; older ones give the first
+    # dense layers and a frequency.
+    kinds = getattr(config, "mlp_layer_types", None)
+    if kinds is not None:
+        return kinds[index] == "sparse"
+    return bool(
+        config.n_routed_experts
+        and index >= config.first_k_dense_replace
+        and index % getattr(config, "moe_layer_freq", 1) == 0
+    )
+
+
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
     def build_attention(self, config: Any, quant_config, prefix: str) -> nn.Module:
-        return MultiHeadLatentAttention(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.qk_nope_head_dim,
-            config.qk_rope_head_dim,
-            config.v_head_dim,
-            config.q_lora_rank,
-            config.kv_lora_rank,
-            config.max_position_embeddings,
-            get_rope_parameters(config),
-            # V2 rotates interleaved pairs (complex rope); V3 configs may say otherwise.
-            rope_interleaved=getattr(config, "rope_interleave", True),
-            bias=getattr(config, "attention_bias", False),
-            quant_config=quant_config,
-            prefix=prefix,
-        )
+        return MultiHeadLatentAttention(**mla_arguments(config, quant_config, prefix))
 
     def build_mlp(self, config: Any, quant_config, prefix: str) -> nn.Module:
-        index = _layer_index(prefix)
-        is_moe = (
-            config.n_routed_experts
-            and index >= config.first_k_dense_replace
-            and index % getattr(config, "moe_layer_freq", 1) == 0
-        )
-        if is_moe:
+        if _is_moe_layer(config, layer_index(prefix)):
             return DeepseekV2MoE(config, quant_config, prefix)
         return LlamaMLP(config.hidden_size, config.intermediate_size, quant_config, prefix)
 
@@ -122,7 +134,7 @@ class MtpLayersSkipped:
         def without_mtp() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 if name.startswith("model.layers."):
-                    index = _layer_index(name)
+                    index = layer_index(name)
                     if index >= self.config.num_hidden_layers:
                         mtp_layers.add(index)
                         continue

@@ -61,6 +61,20 @@ _MLA = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+# DeepSeek Sparse Attention: V3's MLA (with q-LoRA, which the indexer reads) and routing,
+# plus an indexer of 8 heads that keeps the top 8 tokens, so prompts of 32 and more
+# attend sparsely. transformers 5.12 sizes the experts by num_experts.
+_DSA = dict(
+    _MLA,
+    q_lora_rank=48,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    num_experts=_MLA["n_routed_experts"],
+    index_topk=8,
+    index_n_heads=8,
+    index_head_dim=32,
+)
 # Gated DeltaNet hybrids: three DeltaNet layers, then one full-attention layer (the
 # configs' default full_attention_interval of 4); two key heads of four value heads.
 _HYBRID = dict(
@@ -90,6 +104,17 @@ _QWEN3_5_VISION = dict(
     patch_size=4,
     num_position_embeddings=16,
 )
+_KIMI_K25_VISION = dict(
+    patch_size=4,
+    pos_emb_height=4,
+    pos_emb_width=4,
+    pos_emb_time=2,
+    num_attention_heads=2,
+    num_hidden_layers=1,
+    hidden_size=32,
+    intermediate_size=64,
+    merge_kernel_size=[2, 2],
+)
 
 # architecture -> (transformers config class, default fields)
 _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -105,6 +130,22 @@ _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "DeepseekV3ForCausalLM": (
         "DeepseekV3Config",
         dict(_MLA, n_group=4, topk_group=2, routed_scaling_factor=2.5),
+    ),
+    "DeepseekV32ForCausalLM": ("DeepseekV32Config", _DSA),
+    # GLM-5: the second layer reuses the first one's selection.
+    "GlmMoeDsaForCausalLM": ("GlmMoeDsaConfig", dict(_DSA, indexer_types=["full", "shared"])),
+    # Kimi-K2.5: DeepSeek-V3 (with q-LoRA) under text_config, beside a one-block vision
+    # tower and its projector.
+    "Kimi_K25ForConditionalGeneration": (
+        "Kimi_K25Config",
+        dict(
+            text_config=dict(
+                _MLA, model_type="deepseek_v3", q_lora_rank=48, n_group=4, topk_group=2
+            ),
+            vision_config=_KIMI_K25_VISION,
+            projection_hidden_size=32,
+            tie_word_embeddings=False,
+        ),
     ),
     # GLM-4.x MoE: a dense first layer, then V3 routing (4 groups, 2 picked) with shared
     # experts; q/k/v biases, QK-norm, rotary on half of each head; expert MLPs of 96
@@ -261,7 +302,30 @@ def write_checkpoint(
                     param.normal_(0.0, init_std)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    if config.model_type in RELEASED_NAMES:
+        _rename_tensors(Path(folder), *RELEASED_NAMES[config.model_type])
     return Path(folder)
+
+
+# transformers saves some models under names their released checkpoints do not use:
+# model_type -> (saved prefix, released prefix). Kimi-K2.5: transformers renames the
+# vision tower's "blocks" to "layers" on load and back on save, the text model's too.
+RELEASED_NAMES = {"kimi_k25": ("language_model.model.blocks.", "language_model.model.layers.")}
+
+
+def _rename_tensors(folder: Path, old: str, new: str) -> None:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    for path in folder.glob("*.safetensors"):
+        tensors = {name.replace(old, new, 1): t for name, t in load_file(path).items()}
+        save_file(tensors, path, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k.replace(old, new, 1): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
 
 
 # The host-plugin suites also exercise DeepSeek-V3's q-LoRA and YaRN with mscale.

@@ -8,12 +8,14 @@ from atom.kernels.triton import (
     fused_moe_mxfp4,
     fused_qkv,
     gated_delta,
+    indexer,
     kv_cache,
     mla,  # noqa: F401  (registers the MLA kernels)
     moe_routing,
     norm,
     paged_attention,
     rotary,
+    sparse_mla,
     w4a16,
 )
 
@@ -25,10 +27,12 @@ __all__ = [
     "fused_moe_mxfp4",
     "fused_qkv",
     "gated_delta",
+    "indexer",
     "kv_cache",
     "moe_routing",
     "norm",
     "paged_attention",
     "rotary",
+    "sparse_mla",
     "w4a16",
 ]

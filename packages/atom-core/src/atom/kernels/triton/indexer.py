@@ -1,0 +1,97 @@
+"""Triton lightning indexer (atom.kernels.indexer): the key write, and the scores of every
+query token against the keys it sees, then top-k.
+
+The score kernel runs one program per (query token, block of key positions): it reads the
+token's Hi query heads once, a block of cached keys through the block table, and writes
+sum_h w_h * relu(q_h . k) into a [T, width] score row (-inf past the token's position).
+Selection is torch.topk over those rows on the device, then the chosen positions become
+cache slots through the block table. Both steps take their bounds from device tensors
+(`AttentionMetadata.query_token_bounds`); the width is the step's longest sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom.kernels.kv_cache import is_fp8_kv_cache
+from atom.kernels.policy import register
+from atom.kernels.triton.kv_cache import write_kv_cache_triton
+from atom.kernels.triton.paged_attention import _load_page_rows
+
+BLOCK_N = 64
+
+
+@register("write_indexer_keys", "triton")
+def write_indexer_keys_triton(keys, key_cache, slot_mapping, scale=1.0) -> None:
+    # The key cache seen as a one-head K/V pair of the two halves of each row (the KV-write
+    # kernel writes both), as write_mla_cache does with latent and rope.
+    half = keys.shape[-1] // 2
+    rows = key_cache.unsqueeze(2)
+    write_kv_cache_triton(
+        keys[:, None, :half], keys[:, None, half:], rows[..., :half], rows[..., half:],
+        slot_mapping, scale, scale,
+    )  # fmt: skip
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr, w_ptr, cache_ptr, scores_ptr, block_table_ptr, token_seq_ptr, token_keys_ptr,
+    q_stride_t, q_stride_h, w_stride_t, c_stride_b, c_stride_s, s_stride_t, bt_stride,
+    num_heads, head_dim, block_size, width, key_scale,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seq = tl.load(token_seq_ptr + token).to(tl.int64)
+    num_keys = tl.load(token_keys_ptr + token)
+    n_valid = n < num_keys
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_valid = heads < num_heads
+    dim_valid = dims < head_dim
+    q = tl.load(
+        q_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
+        mask=head_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    keys = _load_page_rows(
+        cache_ptr, block_table_ptr + seq * bt_stride, n, n_valid, 0, c_stride_b, c_stride_s,
+        0, dims, dim_valid, block_size,
+    ).to(q.dtype)  # fmt: skip
+    per_head = tl.maximum(tl.dot(q, tl.trans(keys), input_precision=PRECISION), 0.0)
+    weights = tl.load(w_ptr + token * w_stride_t + heads, mask=head_valid, other=0.0)
+    scores = tl.sum(per_head * weights[:, None], 0) * key_scale
+    scores = tl.where(n_valid, scores, float("-inf"))
+    tl.store(scores_ptr + token * s_stride_t + n, scores, mask=n < width)
+
+
+@register("indexer_topk", "triton")
+def indexer_topk_triton(q, weights, key_cache, metadata, topk, out, scale=1.0):
+    num_tokens, num_heads, head_dim = q.shape
+    width = metadata.max_seq_len
+    out.fill_(-1)
+    if num_tokens == 0 or width == 0:
+        return out
+    token_seq, token_keys = metadata.query_token_bounds
+    scores = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
+    key_scale = scale if is_fp8_kv_cache(key_cache) else 1.0  # relu(c x) = c relu(x), c > 0
+    _indexer_scores_kernel[(num_tokens, triton.cdiv(width, BLOCK_N))](
+        q, weights, key_cache, scores, metadata.block_table, token_seq, token_keys,
+        q.stride(0), q.stride(1), weights.stride(0), key_cache.stride(0), key_cache.stride(1),
+        scores.stride(0), metadata.block_table.stride(0),
+        num_heads, head_dim, key_cache.shape[1], width, key_scale,
+        BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    k = min(topk, width)
+    chosen = scores.topk(k, dim=-1).indices
+    tables = metadata.block_table[token_seq.long()]
+    block_size = key_cache.shape[1]
+    slots = tables.gather(1, chosen // block_size).long() * block_size + chosen % block_size
+    out[:, :k] = torch.where(chosen < token_keys[:, None], slots, -1)
+    return out
