@@ -127,6 +127,18 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--max-stop-strings", type=int, default=64, help="most stop strings per request"
     )
     limits.add_argument(
+        "--max-stop-chars",
+        type=int,
+        default=16384,
+        help="most characters of a request's stop strings, all together",
+    )
+    limits.add_argument(
+        "--max-unread-tokens",
+        type=int,
+        default=16384,
+        help="output tokens a streaming client may leave unread before its request is aborted",
+    )
+    limits.add_argument(
         "--max-request-body-bytes", type=int, default=16 * 2**20, help="larger bodies get a 413"
     )
 
@@ -154,6 +166,8 @@ def _serve(args: argparse.Namespace) -> None:
             max_n=args.max_n,
             max_request_body_bytes=args.max_request_body_bytes,
             max_stop_strings=args.max_stop_strings,
+            max_stop_chars=args.max_stop_chars,
+            max_unread_tokens=args.max_unread_tokens,
             **kwargs,
         )
     except StartupError as exc:

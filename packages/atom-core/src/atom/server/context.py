@@ -21,9 +21,7 @@ class ServerContext:
 
     @classmethod
     def of(cls, engine: AsyncEngine, options: ServeOptions, chat_template: str | None):
-        limits = RequestLimits.of(
-            engine.tokenizer, engine.max_model_len, options.max_n, options.max_stop_strings
-        )
+        limits = RequestLimits.of(engine.tokenizer, engine.max_model_len, options)
         guided = GuidedDecoding(
             engine.tokenizer, engine.vocab_size, sorted(engine.engine.eos_token_ids)
         )

@@ -46,7 +46,7 @@ def run_server(
         raise StartupError(str(exc)) from None
     listener = bind(host, port)
     llm = load_model(model, kwargs)  # kept alive here: it owns the engine's workers
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(llm.engine, options.max_unread_tokens)
     app = build_app(engine, options.served_model_name, options, chat_template)
     config = uvicorn.Config(app, log_level=log_level)  # also sets up uvicorn's loggers
     logging.getLogger("uvicorn.error").info(summary(llm, options, host, port))
