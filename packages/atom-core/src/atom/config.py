@@ -179,6 +179,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = False  # no CUDA graphs (they are GPU-only anyway)
     compile: bool = False  # torch.compile the sampler (atom/engine/compile.py)
+    seed: int = 0  # of the random sampling of requests that give no seed of their own
 
     @property
     def use_cuda_graphs(self) -> bool:

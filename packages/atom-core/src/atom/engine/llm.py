@@ -10,9 +10,12 @@ from tqdm.auto import tqdm
 from atom.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from atom.engine.llm_engine import LLMEngine
 from atom.engine.outputs import RequestOutput
+from atom.hub import resolve_model_path
 from atom.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's dict forms: {"prompt": text} (TextPrompt) and
+# {"prompt_token_ids": ids} (TokensPrompt).
+Prompt = str | list[int] | dict
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20
 # (max_num_seqs, max_num_batched_tokens) when not given. On a GPU, decode throughput is
 # bound by KV reads and flat beyond a few hundred sequences, while more concurrency than
@@ -42,7 +45,12 @@ class LLM:
         compile: bool = False,
         skip_tokenizer_init: bool = False,
         async_scheduling: bool | None = None,
+        seed: int = 0,
     ):
+        """model: a local HF checkpoint folder or a hub id (read from huggingface_hub's
+        cache, downloaded if missing). seed: seeds the random sampling of requests
+        that give no seed of their own (vLLM's `seed`)."""
+        model = resolve_model_path(model)
         model_config = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len)
         if kv_cache_memory_bytes is None and num_blocks is None and device == "cpu":
             kv_cache_memory_bytes = CPU_DEFAULT_KV_CACHE_BYTES
@@ -67,6 +75,7 @@ class LLM:
             or max(default_tokens, model_config.max_model_len),
             enforce_eager=enforce_eager,
             compile=compile,
+            seed=seed,
         )
         tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
         self.engine = LLMEngine(config, tokenizer, async_scheduling)
@@ -83,8 +92,9 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_text_or_ids(p) for p in prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -124,6 +134,18 @@ class LLM:
                 bar.update(1)
         bar.close()
         return [results[i] for i in request_ids]
+
+
+def _text_or_ids(prompt: Prompt) -> str | list[int]:
+    if not isinstance(prompt, dict):
+        return prompt
+    forms = [key for key in ("prompt", "prompt_token_ids") if key in prompt]
+    if len(forms) != 1:
+        raise ValueError(
+            "a dict prompt needs exactly one of 'prompt' (text) and 'prompt_token_ids', "
+            f"got the keys {sorted(prompt)}"
+        )
+    return prompt[forms[0]]
 
 
 def load_tokenizer(path: str):

@@ -73,7 +73,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             StateSlots(config.max_num_seqs) if hybrid else None,
         )
-        self.sampler = Sampler(compile=config.compile)
+        self.sampler = Sampler(config.seed, compile=config.compile)
         self.eos_token_ids = _eos_ids(config.model.hf_config, tokenizer)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()

@@ -33,14 +33,6 @@ class ChoiceDelta:
     def is_first(self) -> bool:
         return self.first_token == 0
 
-    def merge(self, later: ChoiceDelta) -> None:
-        """Appends `later`, the delta that followed this one unread."""
-        self.text += later.text
-        self.token_ids += later.token_ids
-        if self.logprobs is not None and later.logprobs is not None:
-            self.logprobs += later.logprobs
-        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
-
 
 @dataclass
 class OutputDelta:
@@ -56,15 +48,6 @@ class OutputDelta:
     def num_tokens(self) -> int:
         """The tokens this delta carries, over its choices."""
         return sum(len(choice.token_ids) for choice in self.choices)
-
-    def merge(self, later: OutputDelta) -> None:
-        mine = {choice.index: choice for choice in self.choices}
-        for choice in later.choices:
-            if choice.index in mine:
-                mine[choice.index].merge(choice)
-            else:
-                self.choices.append(choice)
-        self.finished, self.num_output_tokens = later.finished, later.num_output_tokens
 
 
 class DeltaTracker:

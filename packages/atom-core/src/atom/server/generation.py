@@ -21,10 +21,11 @@ async def sampling_params_of(
 ) -> SamplingParams:
     """The request's SamplingParams; with `guide`, compiled into its guide factory."""
     try:
-        params = request.sampling_params()
+        params = request.sampling_params(ctx.sampling_defaults)
     except ValueError as exc:  # SamplingParamsError names the field
         raise APIError(400, str(exc), param=_field_named(exc)) from exc
     ctx.limits.check_stop(params)
+    ctx.limits.check_max_tokens(request, params)
     if guide is not None:
         factory = await ctx.tokenization.offload(ctx.guided.guide_factory, guide)
         params = dataclasses.replace(params, guide_factory=factory)

@@ -73,6 +73,20 @@ class RequestLimits:
                 param="stop",
             )
 
+    def check_max_tokens(self, request: SamplingRequest, params: SamplingParams) -> None:
+        """max_tokens beyond max_model_len is a 400, as in vLLM (up to it, the output stops
+        where the context ends)."""
+        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
+            param = "max_tokens"
+            if getattr(request, "max_completion_tokens", None) is not None:
+                param = "max_completion_tokens"
+            raise APIError(
+                400,
+                f"{param}={params.max_tokens} cannot be greater than max_model_len="
+                f"{self.max_model_len}. Please request fewer output tokens.",
+                param=param,
+            )
+
     def check_prompt(self, prompt: str | list[int], param: str) -> None:
         """Refuses a prompt that cannot fit max_model_len, without tokenizing it."""
         if isinstance(prompt, list):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 import uuid
@@ -16,10 +17,9 @@ class OutputStream:
     """Async iterator over the outputs of one API call's engine requests (one per prompt).
 
     Created on the event loop; the engine thread feeds it through `push`, which is
-    thread-safe. A streaming call gets OutputDeltas: while its client has not read one,
-    the next of the same request is merged into it, so at most one waits per request and
-    `unread_tokens` says how large they are. Any other call gets only each request's final
-    RequestOutput. Iteration ends once every request has sent its finished output.
+    thread-safe. A streaming call gets one OutputDelta per step (one chunk each, as the
+    client sees them); `unread_tokens` counts the tokens of those waiting. Any other call
+    gets only each request's final RequestOutput. Iteration ends once every request has sent its finished output.
     """
 
     def __init__(self, num_prompts: int, params: SamplingParams, deltas: bool):
@@ -31,7 +31,7 @@ class OutputStream:
         self._loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()
         self._lock = threading.Lock()  # guards what follows, shared by both threads
-        self._waiting: dict[str, OutputDelta | RequestOutput] = {}
+        self._waiting: collections.deque[OutputDelta | RequestOutput] = collections.deque()
         self._error: BaseException | None = None
         self.unread_tokens = 0
 
@@ -53,17 +53,13 @@ class OutputStream:
             elif self._trackers is None:
                 if not item.finished:
                     return
-                self._waiting[item.request_id] = item
+                self._waiting.append(item)
             else:
                 delta = self._trackers[item.request_id].advance(item)
                 if delta is None:
                     return
                 self.unread_tokens += delta.num_tokens
-                waiting = self._waiting.get(item.request_id)
-                if waiting is None:
-                    self._waiting[item.request_id] = delta
-                else:
-                    waiting.merge(delta)
+                self._waiting.append(delta)
         # RuntimeError: the event loop has closed (server shutdown), nobody is left to read.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._ready.set)
@@ -78,7 +74,7 @@ class OutputStream:
                     self._unfinished.clear()
                     raise self._error
                 if self._waiting:
-                    item = self._waiting.pop(next(iter(self._waiting)))
+                    item = self._waiting.popleft()
                     if isinstance(item, OutputDelta):
                         self.unread_tokens -= item.num_tokens
                     if item.finished:
