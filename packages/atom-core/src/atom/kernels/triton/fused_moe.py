@@ -255,9 +255,11 @@ def _sum_top_k_kernel(
     acc = tl.zeros([BLOCK], tl.float32)
     for slot in tl.static_range(TOP_K):
         # A slot routed to another expert-parallel rank's expert has no row written.
-        here = tl.load(ids_ptr + token * TOP_K + slot) < num_experts
-        row = tl.load(rows_ptr + (token * TOP_K + slot) * hidden + cols, mask=mask & here)
-        acc += tl.where(here, row.to(tl.float32), 0.0)
+        expert = tl.load(ids_ptr + token * TOP_K + slot + tl.zeros_like(cols))
+        here = mask & (expert < num_experts)
+        acc += tl.load(rows_ptr + (token * TOP_K + slot) * hidden + cols, mask=here, other=0.0).to(
+            tl.float32
+        )
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
