@@ -33,6 +33,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, help="default: 512 on GPU, 256 on CPU")
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs")
+    parser.add_argument(
+        "--enable-expert-parallel",
+        "-ep",
+        action="store_true",
+        help="MoE: split the experts whole over the GPUs (attention stays tensor parallel)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="MLA models: data-parallel attention with expert-parallel MoE (not yet runnable)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true", help="no KV block reuse")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="torch.compile the sampler")
@@ -69,6 +82,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        data_parallel_size=args.data_parallel_size,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         compile=args.compile,

@@ -167,6 +167,15 @@ class CacheConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # MoE experts split whole over all ranks instead of every expert's intermediate size
+    # over the TP ranks (atom.expert_parallel); vLLM's flag of the same name.
+    enable_expert_parallel: bool = False
+    # Data-parallel attention for MLA models: each rank its own batch, MoE expert-parallel.
+    data_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 @dataclass

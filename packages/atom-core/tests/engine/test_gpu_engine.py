@@ -36,7 +36,7 @@ def test_gpu_greedy_matches_hf(tmp_path, name, enforce_eager):
     check_greedy_on_gpu(write_checkpoint(CASES[name], tmp_path, init_std=0.1), enforce_eager)
 
 
-def check_greedy_on_gpu(folder, enforce_eager: bool) -> None:
+def check_greedy_on_gpu(folder, enforce_eager: bool, **llm_kwargs) -> None:
     check_greedy_generation(
         folder,
         prompt_lengths=[3, 11, 26, 70, 5, 9],
@@ -44,6 +44,7 @@ def check_greedy_on_gpu(folder, enforce_eager: bool) -> None:
         device="cuda",
         enforce_eager=enforce_eager,
         max_num_seqs=8,
+        **llm_kwargs,
     )
 
 

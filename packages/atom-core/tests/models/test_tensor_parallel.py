@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -25,21 +26,28 @@ from tests.models.test_moe_models import CASES as MOE_CASES
 BLOCK_SIZE = 4
 
 
-def run_prefill_and_decode(folder: str) -> torch.Tensor:
-    """All-position prefill logits of two prompts, then two decode steps."""
+def run_prefill_and_decode(
+    folder: str,
+    prompt_lengths: tuple[int, ...] = (13, 6),
+    before_step: Callable[[int], None] = lambda num_tokens: None,
+) -> torch.Tensor:
+    """All-position prefill logits of the prompts, then two decode steps. `before_step`
+    learns each step's token count (data-parallel ranks exchange theirs)."""
     config = ModelConfig.from_pretrained(folder, dtype="float32")
     model = build_model(config, "cpu", progress=False)
     allocate_kv_cache(model, 64, BLOCK_SIZE, torch.float32, "cpu")
     runner = ModelRunner(model, BLOCK_SIZE, "cpu")
-    prompts = make_prompts(config.hf_config.vocab_size, [13, 6])
-    tables = [list(range(0, 8)), list(range(8, 16))]
+    prompts = make_prompts(config.hf_config.vocab_size, list(prompt_lengths))
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
+    before_step(sum(prompt_lengths))
     outputs = [
         runner.run([StepInput(p, 0, [t]) for p, t in zip(prompts, tables)], all_positions=True)
     ]
     lengths = [len(p) for p in prompts]
     for step in range(2):
-        tokens = [(7 * step + i) % config.hf_config.vocab_size for i in range(2)]
+        tokens = [(7 * step + i) % config.hf_config.vocab_size for i in range(len(prompts))]
         batch = [StepInput([tok], n, [t]) for tok, n, t in zip(tokens, lengths, tables)]
+        before_step(len(batch))
         outputs.append(runner.run(batch))
         lengths = [n + 1 for n in lengths]
     return torch.cat(outputs)

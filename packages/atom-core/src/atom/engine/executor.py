@@ -3,7 +3,9 @@
 With tensor_parallel_size N, this process is rank 0 and N-1 worker processes hold the
 other shards. Each step, rank 0 broadcasts the step's inputs over a gloo group; every
 rank runs the same forward, and the layers' collectives (NCCL on GPU, gloo on CPU)
-combine the shards. Only rank 0 samples.
+combine the shards. Only rank 0 samples. With enable_expert_parallel the same group
+splits the MoE experts whole (atom.expert_parallel): attention is tensor parallel, so
+every rank holds every token and the experts' outputs meet in one all-reduce.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from atom.engine.model_runner import (
     kv_cache_page_parts,
 )
 from atom.engine.state_cache import allocate_state_cache, num_state_slots, state_bytes_per_slot
+from atom.expert_parallel import ExpertParallel, ReplicatedTokens, set_expert_parallel
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
 
 
@@ -45,7 +48,10 @@ def _init_group(config: EngineConfig, rank: int, port: int) -> dist.ProcessGroup
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    set_tp_group(TorchDistributedGroup())
+    group = TorchDistributedGroup()
+    set_tp_group(group)
+    if config.parallel.enable_expert_parallel:
+        set_expert_parallel(ExpertParallel(group, ReplicatedTokens(group)))
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
@@ -175,6 +181,7 @@ class Executor:
         self.workers = []
         dist.destroy_process_group()
         set_tp_group(SingleProcessGroup())
+        set_expert_parallel(None)
 
 
 def _free_port() -> int:

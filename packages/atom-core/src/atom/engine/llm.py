@@ -42,6 +42,8 @@ class LLM:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        data_parallel_size: int = 1,
         enforce_eager: bool = False,
         compile: bool = False,
         skip_tokenizer_init: bool = False,
@@ -74,7 +76,9 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
             ),
-            parallel=ParallelConfig(tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size, enable_expert_parallel, data_parallel_size
+            ),
             device=device,
             max_num_seqs=max_num_seqs or default_seqs,
             max_num_batched_tokens=max_num_batched_tokens

@@ -15,6 +15,7 @@ from atom.engine.block_manager import BlockManager
 from atom.engine.detokenizer import Detokenizer, find_stop_string
 from atom.engine.executor import Executor
 from atom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from atom.engine.parallel_check import check_parallel
 from atom.engine.sampler import PendingSamples, Sampler, prompt_logprob_entries, uses_penalties
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
@@ -62,6 +63,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(tokenizer)
         if config.speculative is not None:
             check_speculative(config)
+        check_parallel(config)
         self.executor = Executor(config)
         self.model = self.executor.model
         self.kv_layout = self.executor.kv_layout

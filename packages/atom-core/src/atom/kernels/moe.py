@@ -121,6 +121,8 @@ def fused_moe_torch(
     for expert, count in zip(experts.tolist(), counts.tolist()):
         rows = order[start : start + count]
         start += count
+        if expert >= w13.shape[0]:  # held by another expert-parallel rank
+            continue
         tokens, slots = rows // topk_ids.shape[1], rows % topk_ids.shape[1]
         s13 = None if w13_scale is None else w13_scale[expert]
         s2 = None if w2_scale is None else w2_scale[expert]
@@ -146,6 +148,9 @@ def fused_moe(
     w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weight[t, k] * expert_{ids[t, k]}(hidden[t]) with gated experts.
+
+    An id >= E (the experts in w13) names an expert that another expert-parallel rank
+    holds (atom.layers.expert_parallel): that slot adds nothing here.
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; optional biases w13_bias
     [E, 2I] and w2_bias [E, H] (GPT-OSS), the latter weighted like the expert's output.

@@ -72,6 +72,8 @@ def fused_moe_mxfp4_torch(
     call, then computes as `fused_moe_torch`."""
     check_mxfp4_experts(hidden, w13_blocks, w13_scales, w2_blocks, w2_scales)
     used, local_ids = topk_ids.long().unique(return_inverse=True)
+    # Sorted, so ids of experts held by other ranks (>= E) come last and stay >= len(used).
+    used = used[used < w13_blocks.shape[0]]
     w13 = dequantize_mxfp4(w13_blocks[used], w13_scales[used], hidden.dtype)
     w2 = dequantize_mxfp4(w2_blocks[used], w2_scales[used], hidden.dtype)
     b13 = None if w13_bias is None else w13_bias[used]

@@ -190,10 +190,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.v_head_size = v_head_size or head_size
         self.num_heads = divide(total_num_heads, tp_size, f"{prefix} num_attention_heads")
         if tp_size >= total_num_kv_heads:
+            if tp_size % total_num_kv_heads:  # each KV head is replicated on whole ranks
+                raise ValueError(
+                    f"{prefix} num_key_value_heads={total_num_kv_heads} does not divide "
+                    f"tensor_parallel_size={tp_size}"
+                )
             self.num_kv_heads = 1
-            self.kv_replicas = divide(
-                tp_size, total_num_kv_heads, "tensor_parallel_size / kv heads"
-            )
+            self.kv_replicas = tp_size // total_num_kv_heads
         else:
             self.num_kv_heads = divide(total_num_kv_heads, tp_size, f"{prefix} num_key_value_heads")
             self.kv_replicas = 1

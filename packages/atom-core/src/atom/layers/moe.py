@@ -1,9 +1,11 @@
-"""The fused MoE layer: routing + experts, experts sharded over TP in the weight loader.
+"""The fused MoE layer: routing + experts, experts sharded in the weight loader.
 
 Expert weights are stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I],
-with optional biases w13_bias [E, 2I] and w2_bias [E, H] (GPT-OSS). Each rank holds a
-slice of every expert's intermediate dimension, so the outputs are summed with one
-all-reduce, as in a row-parallel linear; rank 0 alone holds w2_bias, so it is added once.
+with optional biases w13_bias [E, 2I] and w2_bias [E, H] (GPT-OSS). Under tensor
+parallelism each rank holds a slice of every expert's intermediate dimension, so the
+outputs are summed with one all-reduce, as in a row-parallel linear; rank 0 alone holds
+w2_bias, so it is added once. Under expert parallelism (atom.expert_parallel) each rank
+holds E/N whole experts, with their biases, and the loader skips the other ranks' experts.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 from atom.distributed import divide, get_tp_group
+from atom.expert_parallel import get_expert_parallel
 from atom.kernels import grouped_topk, topk_softmax
 from atom.kernels.moe import MoEActivation, check_moe_activation
 from atom.kernels.policy import is_capturable
@@ -46,6 +49,7 @@ class FusedMoE(nn.Module):
         super().__init__()
         check_moe_activation(activation)
         self.tp = get_tp_group()
+        self.ep = get_expert_parallel()
         self.prefix = prefix
         self.num_experts = num_experts
         self.top_k = top_k
@@ -57,8 +61,17 @@ class FusedMoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.reduce_results = reduce_results
         self.activation = activation
+        if self.ep is None:
+            self.placement = None
+            self.shard_rank, shard_size = self.tp.rank, self.tp.world_size
+        else:
+            if not reduce_results:
+                raise ValueError(f"{prefix}: expert parallelism combines the outputs itself")
+            self.placement = self.ep.placement(num_experts, f"{prefix} num_experts")
+            self.shard_rank, shard_size = 0, 1
+        num_local_experts = num_experts if self.placement is None else self.placement.count
         self.intermediate_per_rank = divide(
-            intermediate_size, self.tp.world_size, f"{prefix} moe_intermediate_size"
+            intermediate_size, shard_size, f"{prefix} moe_intermediate_size"
         )
         if e_score_correction_bias:
             self.e_score_correction_bias = nn.Parameter(
@@ -70,8 +83,9 @@ class FusedMoE(nn.Module):
             quant_config.moe_method(prefix) if quant_config else UnquantizedMoEMethod()
         )
         self.quant_method.create_weights(
-            self, num_experts, hidden_size, self.intermediate_per_rank, torch.get_default_dtype()
-        )
+            self, num_local_experts, hidden_size, self.intermediate_per_rank,
+            torch.get_default_dtype(),
+        )  # fmt: skip
         self.w13_bias = self.w2_bias = None
         if bias:
             if not getattr(self.quant_method, "supports_bias", False):
@@ -81,11 +95,11 @@ class FusedMoE(nn.Module):
                 )
             dtype = torch.get_default_dtype()
             self.w13_bias = nn.Parameter(
-                torch.zeros(num_experts, 2 * self.intermediate_per_rank, dtype=dtype),
+                torch.zeros(num_local_experts, 2 * self.intermediate_per_rank, dtype=dtype),
                 requires_grad=False,
             )
             self.w2_bias = nn.Parameter(
-                torch.zeros(num_experts, hidden_size, dtype=dtype), requires_grad=False
+                torch.zeros(num_local_experts, hidden_size, dtype=dtype), requires_grad=False
             )
             for param in (self.w13_bias, self.w2_bias):
                 set_weight_attrs(param, weight_loader=self.weight_loader)
@@ -118,10 +132,14 @@ class FusedMoE(nn.Module):
         expert_id: int,
     ) -> None:
         """Copies one expert's gate, up or down tensor (or its scale or bias) into the stacked
-        param."""
+        param; under expert parallelism, only the experts this rank holds."""
+        if self.placement is not None:
+            expert_id = self.placement.local_expert(expert_id)
+            if expert_id is None:
+                return
         target = param.data[expert_id]
         if param is self.w2_bias:  # the all-reduce sums the ranks' outputs
-            if self.tp.rank == 0:
+            if self.shard_rank == 0:
                 target.copy_(loaded)
             return
         if getattr(param, "per_shard", False):  # one scalar per expert and shard
@@ -130,10 +148,10 @@ class FusedMoE(nn.Module):
         block = getattr(param, "shard_block", 1)
         rows = -(-self.intermediate_per_rank // block)
         if shard_id in _W13_HALF:  # weight rows or bias entries
-            source = loaded.narrow(0, self.tp.rank * rows, rows)
+            source = loaded.narrow(0, self.shard_rank * rows, rows)
             target = target.narrow(0, _W13_HALF[shard_id] * rows, rows)
         else:
-            source = loaded.narrow(1, self.tp.rank * rows, rows)
+            source = loaded.narrow(1, self.shard_rank * rows, rows)
         if source.shape != target.shape:
             raise ValueError(
                 f"shape mismatch: expert {expert_id} {shard_id} expects {tuple(target.shape)}, "
@@ -172,7 +190,19 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(router_logits)
+        if self.ep is not None:
+            return self._forward_expert_parallel(hidden_states, topk_weights, topk_ids)
         out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.reduce_results and self.tp.world_size > 1:
             out = self.tp.all_reduce(out)
         return out
+
+    def _forward_expert_parallel(self, hidden_states, topk_weights, topk_ids) -> torch.Tensor:
+        exchange = self.ep.exchange
+        hidden_states, topk_weights, topk_ids = exchange.dispatch(
+            hidden_states, topk_weights, topk_ids
+        )
+        local_ids = self.placement.local_ids(topk_ids)
+        return exchange.combine(
+            self.quant_method.apply(self, hidden_states, topk_weights, local_ids)
+        )

@@ -246,24 +246,33 @@ def _row_scale(scale: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, int
 
 
 @triton.jit
-def _sum_top_k_kernel(rows_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_top_k_kernel(
+    rows_ptr, ids_ptr, out_ptr, hidden, num_experts, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros([BLOCK], tl.float32)
     for slot in tl.static_range(TOP_K):
-        acc += tl.load(rows_ptr + (token * TOP_K + slot) * hidden + cols, mask=mask).to(tl.float32)
+        # A slot routed to another expert-parallel rank's expert has no row written.
+        expert = tl.load(ids_ptr + token * TOP_K + slot + tl.zeros_like(cols))
+        here = mask & (expert < num_experts)
+        acc += tl.load(rows_ptr + (token * TOP_K + slot) * hidden + cols, mask=here, other=0.0).to(
+            tl.float32
+        )
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def sum_top_k(rows: torch.Tensor) -> torch.Tensor:
-    """[T, k, H] -> [T, H] in fp32: torch's reduction over the middle dim took a quarter of
-    the expert GEMMs' time at decode sizes (docs/performance.md, "Fused MoE tiles")."""
+def sum_top_k(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, k, H] -> [T, H] in fp32, over the slots routed to this rank's experts (ids below
+    num_experts): torch's reduction over the middle dim took a quarter of the expert GEMMs'
+    time at decode sizes (docs/performance.md, "Fused MoE tiles")."""
     num_tokens, top_k, hidden = rows.shape
     out = rows.new_empty(num_tokens, hidden)
     block = min(1024, triton.next_power_of_2(hidden))
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        rows, out, hidden, TOP_K=top_k, BLOCK=block
+        rows, ids, out, hidden, num_experts, TOP_K=top_k, BLOCK=block
     )
     return out
 
@@ -345,4 +354,4 @@ def fused_moe_triton(
         block_size, gated=False, a_row_div=1, routing_weights=topk_weights.reshape(-1),
         bias=w2_bias,
     )  # fmt: skip
-    return sum_top_k(out)
+    return sum_top_k(out, topk_ids, num_experts)

@@ -201,4 +201,4 @@ def fused_moe_mxfp4_triton(
         act, w2_blocks, w2_scales, out.view(-1, size), aligned, cfg.block_m, cfg.down,
         gated=False, a_row_div=1, routing_weights=topk_weights.reshape(-1), bias=w2_bias,
     )  # fmt: skip
-    return sum_top_k(out)
+    return sum_top_k(out, topk_ids, num_experts)

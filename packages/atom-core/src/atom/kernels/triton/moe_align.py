@@ -21,10 +21,10 @@ SINGLE_PROGRAM_ROWS = 1024
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_rows, BLOCK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, num_rows, num_experts, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < num_rows
-    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_rows, other=0)
+    mask = (offs < num_rows) & (expert < num_experts)
     tl.atomic_add(counts_ptr + expert, 1, mask=mask, sem="relaxed")
 
 
@@ -72,8 +72,8 @@ def _align_in_one_program_kernel(
     """Count, lay out and scatter in one launch for a decode-sized routing: the counts come
     from a histogram instead of atomics, so no zeroed buffer (and no fill launch) is needed."""
     offs = tl.arange(0, BLOCK)
-    mask = offs < num_rows
-    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_rows, other=0)
+    mask = (offs < num_rows) & (expert < num_experts)
     counts = tl.histogram(expert, BLOCK_E, mask=mask)
     _lay_out(counts, cursor_ptr, sorted_ptr, block_expert_ptr, num_experts, num_rows, max_blocks,
              BLOCK_M, BLOCK_E, BLOCK_B)  # fmt: skip
@@ -83,10 +83,10 @@ def _align_in_one_program_kernel(
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_rows, BLOCK: tl.constexpr):
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_rows, num_experts, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < num_rows
-    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_rows, other=0)
+    mask = (offs < num_rows) & (expert < num_experts)
     # The order within an expert is whatever the atomics give: each output row is computed
     # on its own, so the result does not depend on it.
     position = tl.atomic_add(cursor_ptr + expert, 1, mask=mask, sem="relaxed")
@@ -102,7 +102,8 @@ def align_to_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_rows, block_expert): sorted_rows[i] is a flat index t * k + slot into topk_ids
     (or the sentinel T*k), block_expert[b] the expert of rows [b*block_m, (b+1)*block_m)
-    (num_experts past the last used block)."""
+    (num_experts past the last used block). Ids >= num_experts (experts another
+    expert-parallel rank holds) get no row: sum_top_k skips their slots."""
     ids = topk_ids.reshape(-1)
     num_rows = ids.numel()
     max_blocks = triton.cdiv(max_padded_rows(num_rows, num_experts, block_m), block_m)
@@ -120,9 +121,9 @@ def align_to_experts(
     counts_and_cursor = torch.zeros(2, num_experts, dtype=torch.int32, device=device)
     counts, cursor = counts_and_cursor
     grid = (triton.cdiv(num_rows, _BLOCK),)
-    _count_kernel[grid](ids, counts, num_rows, BLOCK=_BLOCK)
+    _count_kernel[grid](ids, counts, num_rows, num_experts, BLOCK=_BLOCK)
     _layout_kernel[(1,)](
         counts, cursor, sorted_rows, block_expert, num_experts, num_rows, max_blocks, **layout
     )
-    _scatter_kernel[grid](ids, cursor, sorted_rows, num_rows, BLOCK=_BLOCK)
+    _scatter_kernel[grid](ids, cursor, sorted_rows, num_rows, num_experts, BLOCK=_BLOCK)
     return sorted_rows, block_expert

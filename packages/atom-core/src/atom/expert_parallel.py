@@ -1,0 +1,167 @@
+"""Expert parallelism: which experts a rank holds, and how tokens reach them.
+
+With expert parallelism on, every MoE layer's experts are split whole over the EP group:
+rank r of N holds experts [r * E/N, (r + 1) * E/N), each with its full intermediate size
+(under tensor parallelism alone every rank holds a 1/N slice of every expert). The router
+is replicated, so every rank routes its tokens over all experts; `ExpertPlacement` turns
+the routed ids into this rank's local ids, and the fused-MoE kernels skip the slots routed
+to other ranks' experts. The partial outputs are then summed back to the ranks that own
+the tokens.
+
+How tokens reach the experts depends on where they live, one `TokenExchange` each:
+
+- `ReplicatedTokens`: the EP group is the tensor-parallel group. Attention is TP, so after
+  it every rank holds every token: dispatch moves nothing and combine is one all-reduce
+  (the same collective a TP MoE layer ends with).
+- `GatheredTokens`: data-parallel attention. Every rank holds only its own batch's tokens:
+  dispatch all-gathers them with their routing, combine sums the experts' outputs and
+  gives each rank back its own rows.
+
+Combine is one method so that an all-to-all (each token sent only to the ranks of its
+top-k experts) can replace the gather and the sum without touching the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from atom.distributed import TensorParallelGroup
+
+
+class ExpertParallelError(ValueError):
+    """An MoE layer's experts cannot be split over the expert-parallel group."""
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """The contiguous range of global expert ids one rank holds."""
+
+    first: int
+    count: int
+
+    @classmethod
+    def of_rank(cls, num_experts: int, rank: int, size: int, what: str) -> ExpertPlacement:
+        if num_experts % size:
+            raise ExpertParallelError(
+                f"{what}={num_experts} is not divisible by the expert-parallel size {size}"
+            )
+        count = num_experts // size
+        return cls(rank * count, count)
+
+    def local_expert(self, expert_id: int) -> int | None:
+        """The local index of a global expert, or None where another rank holds it."""
+        local = expert_id - self.first
+        return local if 0 <= local < self.count else None
+
+    def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global routed ids -> local ids; other ranks' experts become `count`, which the
+        kernels skip (one elementwise op, no host sync: capturable)."""
+        local = topk_ids - self.first
+        held = (local >= 0) & (local < self.count)
+        return torch.where(held, local, self.count).to(topk_ids.dtype)
+
+
+class TokenExchange(Protocol):
+    def dispatch(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's tokens and routing -> the tokens this rank's experts must see."""
+        ...
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' partial outputs for the dispatched tokens -> the full MoE
+        output of this rank's own tokens."""
+        ...
+
+
+class ReplicatedTokens:
+    """Every rank holds every token (attention is tensor parallel)."""
+
+    def __init__(self, group: TensorParallelGroup):
+        self.group = group
+
+    def dispatch(self, hidden, topk_weights, topk_ids):
+        return hidden, topk_weights, topk_ids
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(expert_out)
+
+
+class GatheredTokens:
+    """Every rank holds its own batch's tokens (data-parallel attention).
+
+    The ranks' token counts differ, and they are known on the host before the step
+    (the executor broadcasts them with the step's inputs), so `begin_step` takes them and
+    no layer waits on a device-to-host copy to learn a size.
+    """
+
+    def __init__(self, group: TensorParallelGroup):
+        self.group = group
+        self.tokens_per_rank: list[int] | None = None
+
+    def begin_step(self, tokens_per_rank: list[int]) -> None:
+        if len(tokens_per_rank) != self.group.world_size:
+            raise ValueError(
+                f"got token counts of {len(tokens_per_rank)} ranks for a data-parallel "
+                f"group of {self.group.world_size}"
+            )
+        self.tokens_per_rank = list(tokens_per_rank)
+
+    def _counts(self, local_tokens: int) -> list[int]:
+        counts = self.tokens_per_rank
+        if counts is None:
+            raise RuntimeError("data-parallel MoE step without begin_step(tokens_per_rank)")
+        if counts[self.group.rank] != local_tokens:
+            raise RuntimeError(
+                f"rank {self.group.rank} was told it has {counts[self.group.rank]} tokens "
+                f"this step but runs {local_tokens}"
+            )
+        return counts
+
+    def _gather(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """All ranks' rows, in rank order. Padded to the largest count, since collectives
+        move equal shapes."""
+        most = max(counts)
+        padded = x.new_zeros(most, *x.shape[1:])
+        padded[: x.shape[0]] = x
+        everyone = self.group.all_gather(padded, dim=0)
+        return torch.cat([everyone[r * most : r * most + n] for r, n in enumerate(counts)])
+
+    def dispatch(self, hidden, topk_weights, topk_ids):
+        counts = self._counts(hidden.shape[0])
+        return tuple(self._gather(x, counts) for x in (hidden, topk_weights, topk_ids))
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        # The simplest correct sum: every rank gets all rows and keeps its own. A
+        # reduce-scatter (or all-to-all) moves 1/N of it.
+        counts = self.tokens_per_rank
+        start = sum(counts[: self.group.rank])
+        summed = self.group.all_reduce(expert_out)
+        return summed[start : start + counts[self.group.rank]]
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """The group MoE layers split their experts over, and how tokens reach them."""
+
+    group: TensorParallelGroup
+    exchange: TokenExchange
+
+    def placement(self, num_experts: int, what: str) -> ExpertPlacement:
+        return ExpertPlacement.of_rank(num_experts, self.group.rank, self.group.world_size, what)
+
+
+_expert_parallel: ExpertParallel | None = None
+
+
+def get_expert_parallel() -> ExpertParallel | None:
+    """None: MoE layers shard every expert's intermediate size over tensor parallelism."""
+    return _expert_parallel
+
+
+def set_expert_parallel(expert_parallel: ExpertParallel | None) -> None:
+    global _expert_parallel
+    _expert_parallel = expert_parallel
