@@ -86,7 +86,7 @@ class LLMEngine:
         self.spec_stats = SpeculativeStats()
         self._skipped_features: set[str] = set()
         if config.speculative is not None:
-            self.proposer = Proposer(self.model, self.executor.runner.prepare)
+            self.proposer = Proposer(self.model.drafter, self.executor.runner.prepare)
             self.spec_stats = SpeculativeStats(config.speculative.num_speculative_tokens)
         self.sampler = Sampler(compile=config.compile)
         self.eos_token_ids = _eos_ids(config.model.hf_config, tokenizer)
