@@ -24,6 +24,7 @@ from atom.testing import wait_healthy
 
 TINY = SHAPES["tiny"]
 WORKLOADS = "random:24:6,shared-prefix:2x40:8:3-9"
+KEY = "bench-key"
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +38,10 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(work):
-    """The base URL of `atom serve` on the tiny checkpoint, started as the suite does."""
+    """The base URL of `atom serve` on the tiny checkpoint, started as the suite does, with
+    an API key."""
     port = free_port()
-    settings = ServerSettings("cpu", 256, 0.9, {"atom": "--max-num-seqs 8"})
+    settings = ServerSettings("cpu", 256, 0.9, {"atom": f"--max-num-seqs 8 --api-key {KEY}"})
     folder = TINY.cache_folder(work / "checkpoints")
     command = server_command(ENGINES["atom"], folder, "tiny", port, settings)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -50,7 +52,8 @@ def server(work):
         yield url
 
 
-def test_sweep_reports_every_request_with_exact_lengths(server, tmp_path, capsys):
+def test_sweep_reports_every_request_with_exact_lengths(server, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
     out = tmp_path / "out"
     main(["bench", "serve", "--base-url", server, "--vocab-size", "512", "--label", "atom",
           "--workloads", WORKLOADS, "--rates", "20,inf", "--num-prompts", "6",
@@ -87,7 +90,7 @@ def test_each_request_streams_one_chunk_per_token(server):
     tokenizer the suite writes makes every token a text chunk); chat as well."""
     for endpoint in ("completions", "chat"):
         sweep = Sweep(server, "tiny", endpoint, parse_serve_workloads("random:16:5"), [], 3,
-                      None, 512, 0, Slo(), 0, 60.0)  # fmt: skip
+                      None, 512, 0, Slo(), 0, 60.0, api_key=KEY)  # fmt: skip
         requests = sweep.workloads[0].requests(3, 512, "per-request")
         results, duration = asyncio.run(run_requests(sweep, requests, [0.0] * 3, endpoint))
         for r in results:
@@ -107,3 +110,15 @@ def test_suite_reports_a_server_that_does_not_start(work, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "tiny / atom: FAILED: server exited" in printed and "--no-such-option" in printed
     assert not (tmp_path / "serve-suite.json").exists()
+
+
+def test_failed_requests_and_their_reasons_are_reported(server, tmp_path, capsys):
+    out = tmp_path / "out"
+    main(["bench", "serve", "--base-url", server, "--model", "tiny", "--api-key", "wrong",
+          "--vocab-size", "512", "--workloads", "random:8:2", "--rates", "inf",
+          "--num-prompts", "2", "--warmup", "0", "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "server random:8:2 @ inf: 2 failed: HTTP 401" in printed
+    assert "failed requests" in (out / "serve-server.md").read_text()
+    assert (out / "serve-server.png").is_file()
+    assert json.loads((out / "serve-server.json").read_text())["settings"]["api_key"] == "<set>"

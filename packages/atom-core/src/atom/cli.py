@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that builds an engine."""
-    parser.add_argument("model", help="local folder with config.json and safetensors weights")
+    parser.add_argument(
+        "model",
+        help="a local folder with config.json and safetensors weights, or a Hugging Face hub "
+        "id (read from its cache; downloaded if missing)",
+    )
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--max-model-len", type=int, help="default: the model's context")
@@ -127,21 +132,64 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     http = serve.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on")
     http.add_argument("--port", type=int, default=8000, help="checked before the model loads")
-    http.add_argument("--api-key", help="/v1 routes then need Authorization: Bearer KEY")
+    http.add_argument(
+        "--api-key",
+        help="/v1 routes then need Authorization: Bearer KEY (default: $ATOM_API_KEY, else "
+        "$VLLM_API_KEY)",
+    )
     http.add_argument("--allowed-origins", nargs="+", default=["*"], help="CORS origins")
     http.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS methods")
     http.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS headers")
     http.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
-    http.add_argument("--log-level", default="info", help="uvicorn's: debug, info, warning")
+    http.add_argument(
+        "--log-level",
+        "--uvicorn-log-level",
+        default="info",
+        help="uvicorn's: debug, info, warning",
+    )
     api = serve.add_argument_group("API")
     api.add_argument("--served-model-name", help="the model name clients use (default: MODEL)")
     api.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
+    api.add_argument(
+        "--generation-config",
+        default="auto",
+        help="request sampling defaults: auto (the model's generation_config.json), vllm "
+        "(none), or a folder holding a generation_config.json",
+    )
+    api.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help="how tool calls are read from the output: hermes (Hermes / Qwen <tool_call>)",
+    )
+    api.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted as in vLLM: ATOM reads tool calls with or without it",
+    )
+    api.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
+    api.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted as in vLLM; has no effect: ATOM runs no code from the checkpoint",
+    )
     limits = serve.add_argument_group("limits (a request over one gets a 4xx)")
     limits.add_argument(
         "--max-n", type=int, default=128, help="most choices per request: n, best_of, prompts x n"
     )
     limits.add_argument(
         "--max-stop-strings", type=int, default=64, help="most stop strings per request"
+    )
+    limits.add_argument(
+        "--max-stop-chars",
+        type=int,
+        default=16384,
+        help="most characters of a request's stop strings, all together",
+    )
+    limits.add_argument(
+        "--max-unread-tokens",
+        type=int,
+        default=16384,
+        help="output tokens a streaming client may leave unread before its request is aborted",
     )
     limits.add_argument(
         "--max-request-body-bytes", type=int, default=16 * 2**20, help="larger bodies get a 413"
@@ -163,7 +211,9 @@ def _serve(args: argparse.Namespace) -> None:
             log_level=args.log_level,
             served_model_name=args.served_model_name or args.model,
             chat_template=args.chat_template,
-            api_key=args.api_key,
+            api_key=args.api_key
+            or os.environ.get("ATOM_API_KEY")
+            or os.environ.get("VLLM_API_KEY"),
             allowed_origins=tuple(args.allowed_origins),
             allowed_methods=tuple(args.allowed_methods),
             allowed_headers=tuple(args.allowed_headers),
@@ -171,6 +221,13 @@ def _serve(args: argparse.Namespace) -> None:
             max_n=args.max_n,
             max_request_body_bytes=args.max_request_body_bytes,
             max_stop_strings=args.max_stop_strings,
+            max_stop_chars=args.max_stop_chars,
+            max_unread_tokens=args.max_unread_tokens,
+            generation_config=args.generation_config,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            seed=args.seed,
+            trust_remote_code=args.trust_remote_code,
             **kwargs,
         )
     except StartupError as exc:

@@ -180,6 +180,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs (they are GPU-only anyway)
     compile: bool = False  # torch.compile the sampler (atom/engine/compile.py)
     speculative: Any = None  # atom.speculative.config.SpeculativeConfig
+    seed: int = 0  # of the random sampling of requests that give no seed of their own
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -26,13 +26,18 @@ SERVE = (
 
 
 @contextmanager
-def running_server(model: str, **options) -> Iterator[str]:
-    """Serves `model` with run_server(**options) until the block ends; yields its base URL."""
-    port = _free_port()
+def running_server(model: str, log: Path | None = None, **options) -> Iterator[str]:
+    """Serves `model` with run_server(**options) until the block ends; yields its base URL.
+    log: a file for the server's output (default: the test's own)."""
+    port = free_port()
     src = str(Path(atom.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    output = open(log, "w") if log is not None else None  # noqa: SIM115 (closed below)
     process = subprocess.Popen(
-        [sys.executable, "-c", SERVE, model, str(port), json.dumps(options)], env=env
+        [sys.executable, "-c", SERVE, model, str(port), json.dumps(options)],
+        env=env,
+        stdout=output,
+        stderr=output,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -44,6 +49,8 @@ def running_server(model: str, **options) -> Iterator[str]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+        if output is not None:
+            output.close()
 
 
 def scrape_metrics(url: str, model: str = MODEL) -> dict[str, float]:
@@ -79,7 +86,7 @@ def wait_until_idle(url: str, timeout_s: float = 20) -> dict[str, float]:
         time.sleep(0.1)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

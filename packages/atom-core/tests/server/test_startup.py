@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from atom.cli import build_parser
+from tests.server.server_process import free_port
 
 SERVE = [sys.executable, "-m", "atom.cli", "serve"]
 
@@ -23,15 +24,26 @@ def busy_port():
 
 
 def test_startup_errors_are_one_line(checkpoint, busy_port, tmp_path):
+    # Each case its own free port: the server binds it before anything else can fail.
     cases = {
         "bad model path": (
-            [str(tmp_path / "missing")],
+            [str(tmp_path / "missing"), "--port", str(free_port())],
             "atom serve: error: cannot load the model",
             "is not a directory",
         ),
-        "bad option value": ([str(checkpoint), "--dtype", "float7"], "unsupported dtype", ""),
+        "bad option value": (
+            [str(checkpoint), "--dtype", "float7", "--port", str(free_port())],
+            "unsupported dtype",
+            "",
+        ),
         "missing chat template": (
-            [str(checkpoint), "--chat-template", str(tmp_path / "none.jinja")],
+            [
+                str(checkpoint),
+                "--chat-template",
+                str(tmp_path / "none.jinja"),
+                "--port",
+                str(free_port()),
+            ],
             "is neither a file nor a template",
             "",
         ),

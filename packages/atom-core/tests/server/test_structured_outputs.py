@@ -233,3 +233,19 @@ def test_tools_are_rendered_through_the_chat_template(url):
     assert grown >= len(build_tokenizer().encode(tool_text)) // 2
     none = chat(url, tools=[WEATHER], tool_choice="none", logit_bias={str(HASH): 100}, max_tokens=3)
     assert (none["message"]["content"], none["message"]["tool_calls"]) == ("###", [])
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"guided_regex": "(ab"}, "guided_regex: cannot compile: Regex parsing error at "
+                                  "position 4: The parenthesis is not closed."),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "nonsense"}}}},
+         'response_format.json_schema.schema: cannot compile: Unsupported type "nonsense"'),
+    ],
+)  # fmt: skip
+def test_guide_errors_name_the_problem_without_library_details(url, body, message):
+    """xgrammar's own messages start with a time and its C++ source location."""
+    response = post(url, "chat/completions", messages=MESSAGES, **body)
+    assert response.status_code == 400 and response.json()["error"]["message"] == message

@@ -10,10 +10,13 @@ from tqdm.auto import tqdm
 from atom.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig
 from atom.engine.llm_engine import LLMEngine
 from atom.engine.outputs import RequestOutput
+from atom.hub import resolve_model_path
 from atom.sampling_params import SamplingParams
 from atom.speculative.config import SpeculativeConfig
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's dict forms: {"prompt": text} (TextPrompt) and
+# {"prompt_token_ids": ids} (TokensPrompt).
+Prompt = str | list[int] | dict
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20
 # (max_num_seqs, max_num_batched_tokens) when not given. On a GPU, decode throughput is
 # bound by KV reads and flat beyond a few hundred sequences, while more concurrency than
@@ -44,12 +47,16 @@ class LLM:
         skip_tokenizer_init: bool = False,
         async_scheduling: bool | None = None,
         speculative_config: dict | None = None,
+        seed: int = 0,
     ):
-        """speculative_config: as vLLM's, e.g. {"method": "mtp", "num_speculative_tokens": 3}
-        (atom.speculative.config)."""
+        """model: a local HF checkpoint folder or a hub id (read from huggingface_hub's
+        cache, downloaded if missing). seed: seeds the random sampling of requests
+        that give no seed of their own (vLLM's `seed`). speculative_config: as vLLM's,
+        e.g. {"method": "mtp", "num_speculative_tokens": 3} (atom.speculative.config)."""
         speculative = (
             SpeculativeConfig.from_dict(speculative_config) if speculative_config else None
         )
+        model = resolve_model_path(model)
         model_config = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len)
         if kv_cache_memory_bytes is None and num_blocks is None and device == "cpu":
             kv_cache_memory_bytes = CPU_DEFAULT_KV_CACHE_BYTES
@@ -75,6 +82,7 @@ class LLM:
             enforce_eager=enforce_eager,
             compile=compile,
             speculative=speculative,
+            seed=seed,
         )
         tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
         self.engine = LLMEngine(config, tokenizer, async_scheduling)
@@ -91,8 +99,9 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_text_or_ids(p) for p in prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -132,6 +141,18 @@ class LLM:
                 bar.update(1)
         bar.close()
         return [results[i] for i in request_ids]
+
+
+def _text_or_ids(prompt: Prompt) -> str | list[int]:
+    if not isinstance(prompt, dict):
+        return prompt
+    forms = [key for key in ("prompt", "prompt_token_ids") if key in prompt]
+    if len(forms) != 1:
+        raise ValueError(
+            "a dict prompt needs exactly one of 'prompt' (text) and 'prompt_token_ids', "
+            f"got the keys {sorted(prompt)}"
+        )
+    return prompt[forms[0]]
 
 
 def load_tokenizer(path: str):

@@ -88,7 +88,7 @@ class LLMEngine:
         if config.speculative is not None:
             self.proposer = Proposer(self.model.drafter, self.executor.runner.prepare)
             self.spec_stats = SpeculativeStats(config.speculative.num_speculative_tokens)
-        self.sampler = Sampler(compile=config.compile)
+        self.sampler = Sampler(config.seed, compile=config.compile)
         self.eos_token_ids = _eos_ids(config.model.hf_config, tokenizer)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()

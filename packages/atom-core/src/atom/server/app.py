@@ -38,10 +38,12 @@ def build_app(
     served_model_name: str,
     options: ServeOptions | None = None,
     chat_template: str | None = None,
+    sampling_defaults: dict | None = None,
 ) -> FastAPI:
-    """`chat_template`: the template text (--chat-template, already read from its file)."""
+    """`chat_template`: the template text (--chat-template, already read from its file).
+    `sampling_defaults`: for the sampling fields a request leaves out (--generation-config)."""
     options = options or ServeOptions(served_model_name=served_model_name)
-    ctx = ServerContext.of(engine, options, chat_template)
+    ctx = ServerContext.of(engine, options, chat_template, sampling_defaults)
     serving_metrics = ServingMetrics(ctx.model, engine.stats)
     engine.add_metrics(serving_metrics)
     app = FastAPI(title="ATOM", summary="OpenAI-compatible server of the ATOM native engine")

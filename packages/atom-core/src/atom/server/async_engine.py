@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from atom.engine.llm_engine import EngineStats, LLMEngine
 from atom.sampling_params import SamplingParams
 from atom.server.metrics import ServingMetrics
+from atom.server.options import DEFAULT_MAX_UNREAD_TOKENS
 from atom.server.output_stream import OutputStream
 
 logger = logging.getLogger(__name__)
@@ -24,9 +25,17 @@ logger = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
+class OutputBacklogError(RuntimeError):
+    """A streaming call was aborted because its client left too much output unread."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS):
+        """max_unread_tokens: how many output tokens (over its choices) a streaming call's
+        client may leave unread before the call is aborted; bounds what a stalled reader
+        costs."""
         self.engine = engine
+        self.max_unread_tokens = max_unread_tokens
         self._stats = engine.stats()
         self._commands: queue.SimpleQueue[tuple[Future, Callable, tuple]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -62,12 +71,17 @@ class AsyncEngine:
         self._post(self._metrics.append, metrics)
 
     async def submit(
-        self, prompts: list[Prompt], params: SamplingParams, arrival_time: float | None = None
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        deltas: bool = False,
     ) -> OutputStream:
         """Adds one engine request per prompt; raises the engine's ValueError for a bad one.
         arrival_time: `time.monotonic()` when the request arrived (default: when the engine
-        takes it)."""
-        stream = OutputStream(len(prompts))
+        takes it). deltas: the stream yields each step's OutputDelta (for a streaming
+        response), else only each request's final output."""
+        stream = OutputStream(len(prompts), params, deltas)
         add = self._post(self._add, stream, prompts, params, arrival_time)
         try:
             await asyncio.wrap_future(add)
@@ -166,7 +180,23 @@ class AsyncEngine:
             # response finds it in /metrics.
             for metrics in self._metrics:
                 metrics.output(output)
-            stream = self._streams[output.request_id]
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted earlier in this loop: its client stopped reading
             if output.finished:
                 del self._streams[output.request_id]
             stream.push(output)
+            if stream.unread_tokens > self.max_unread_tokens:
+                self._abort_backlogged(stream)
+
+    def _abort_backlogged(self, stream: OutputStream) -> None:
+        unread = stream.unread_tokens
+        logger.warning(
+            "aborting request %s: its client left %d output tokens unread, more than "
+            "--max-unread-tokens %d",
+            stream.call_id,
+            unread,
+            self.max_unread_tokens,
+        )
+        self._abort(stream)
+        stream.push(OutputBacklogError(f"aborted: {unread} output tokens were left unread"))

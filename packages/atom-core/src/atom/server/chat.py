@@ -14,9 +14,16 @@ from starlette.requests import Request
 from atom.engine.outputs import Logprobs, RequestOutput
 from atom.sampling_params import SamplingParams
 from atom.server.context import ServerContext
+from atom.server.deltas import ChoiceDelta
 from atom.server.disconnect import cancel_on_disconnect
 from atom.server.errors import APIError
-from atom.server.generation import final_outputs, sampling_params_of, submit, usage_of
+from atom.server.generation import (
+    final_outputs,
+    sampling_params_of,
+    stream_usage,
+    submit,
+    usage_of,
+)
 from atom.server.logprobs import chat_logprobs
 from atom.server.output_stream import OutputStream
 from atom.server.protocol import ChatCompletionRequest, TokenizeRequest
@@ -32,7 +39,7 @@ from atom.server.responses import (
     FunctionCall,
     ToolCall,
 )
-from atom.server.streaming import Delta, DeltaTracker, event_stream
+from atom.server.streaming import event_stream
 from atom.server.tools import ParsedToolCall, forced_call_guide, tool_call_reader
 
 
@@ -43,7 +50,7 @@ async def create_chat_completion(
     ctx.limits.check_choices(request, 1)
     params = await sampling_params_of(ctx, request, _guide(request))
     prompt = await chat_prompt(ctx, request)
-    stream = await submit(ctx, [prompt], params, "messages", arrival_time)
+    stream = await submit(ctx, [prompt], params, "messages", arrival_time, request.stream)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if request.stream:
         chunks = _chunks(ctx, stream, params, response_id, request)
@@ -100,7 +107,7 @@ def _response(
             ChatChoice(
                 index=c.index,
                 message=AssistantMessage(content=content, tool_calls=_tool_calls(calls)),
-                logprobs=_logprobs(ctx, c.token_ids, c.logprobs, params),
+                logprobs=_logprobs(ctx, [], c.token_ids, c.logprobs, params, ends=True),
                 finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                 stop_reason=c.stop_reason,
             )
@@ -111,11 +118,18 @@ def _response(
 
 
 def _logprobs(
-    ctx: ServerContext, token_ids: list[int], entries: Logprobs | None, params: SamplingParams
+    ctx: ServerContext,
+    context_ids: list[int],
+    token_ids: list[int],
+    entries: Logprobs | None,
+    params: SamplingParams,
+    ends: bool,
 ) -> ChatLogprobs | None:
+    """ends: the output ends with token_ids."""
     if entries is None:
         return None
-    return chat_logprobs(ctx.engine.tokenizer, token_ids, entries, params.logprobs)
+    tokenizer = ctx.engine.tokenizer
+    return chat_logprobs(tokenizer, context_ids, token_ids, entries, params.logprobs, ends)
 
 
 def _tool_calls(calls: list[ParsedToolCall]) -> list[ToolCall]:
@@ -135,26 +149,23 @@ async def _chunks(
     response_id: str,
     request: ChatCompletionRequest,
 ) -> AsyncIterator[ChatCompletionChunk]:
-    trackers = defaultdict(lambda: DeltaTracker(params))
     readers = defaultdict(lambda: tool_call_reader(request))
     last = None
     async for output in stream:
         last = output
         choices = []
-        for completion in output.outputs:
-            delta = trackers[completion.index].advance(completion)
-            if delta is not None:
-                choice = await _chunk_choice(ctx, completion.index, delta, params)
-                _take_tool_calls(choice, delta, readers[completion.index])
-                choices.append(choice)
+        for delta in output.choices:
+            choice = await _chunk_choice(ctx, delta, params)
+            _take_tool_calls(choice, delta, readers[delta.index])
+            choices.append(choice)
         if choices:
             yield ChatCompletionChunk(id=response_id, model=ctx.model, choices=choices)
     if request.include_usage_in_stream:
-        usage = usage_of([last])
+        usage = stream_usage([last])
         yield ChatCompletionChunk(id=response_id, model=ctx.model, choices=[], usage=usage)
 
 
-def _take_tool_calls(choice: ChatChunkChoice, delta: Delta, reader) -> None:
+def _take_tool_calls(choice: ChatChunkChoice, delta: ChoiceDelta, reader) -> None:
     """Moves the tool calls in the choice's text into its delta's tool_calls."""
     if reader is None:
         return
@@ -170,15 +181,21 @@ def _take_tool_calls(choice: ChatChunkChoice, delta: Delta, reader) -> None:
 
 
 async def _chunk_choice(
-    ctx: ServerContext, index: int, delta: Delta, params: SamplingParams
+    ctx: ServerContext, delta: ChoiceDelta, params: SamplingParams
 ) -> ChatChunkChoice:
     logprobs = None
     if delta.logprobs is not None:
         logprobs = await ctx.tokenization.offload(
-            _logprobs, ctx, delta.token_ids, delta.logprobs, params
+            _logprobs,
+            ctx,
+            delta.context_ids,
+            delta.token_ids,
+            delta.logprobs,
+            params,
+            delta.finish_reason is not None,
         )
     return ChatChunkChoice(
-        index=index,
+        index=delta.index,
         delta=DeltaMessage(role="assistant" if delta.is_first else None, content=delta.text),
         logprobs=logprobs,
         finish_reason=delta.finish_reason,

@@ -10,13 +10,15 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from atom.engine.outputs import CompletionOutput, RequestOutput
+from atom.engine.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
 from atom.server.context import ServerContext
+from atom.server.deltas import ChoiceDelta, OutputDelta
 from atom.server.disconnect import cancel_on_disconnect
 from atom.server.generation import (
     final_outputs,
     sampling_params_of,
+    stream_usage,
     submit,
     tokenized,
     usage_of,
@@ -25,7 +27,7 @@ from atom.server.logprobs import completion_logprobs
 from atom.server.output_stream import OutputStream
 from atom.server.protocol import CompletionRequest
 from atom.server.responses import CompletionChoice, CompletionResponse
-from atom.server.streaming import Delta, DeltaTracker, event_stream
+from atom.server.streaming import event_stream
 
 
 async def create_completion(
@@ -36,7 +38,7 @@ async def create_completion(
     ctx.limits.check_choices(request, len(prompts))
     params = await sampling_params_of(ctx, request, request.guide_spec())
     token_ids = await tokenized(ctx, prompts, "prompt")
-    stream = await submit(ctx, token_ids, params, "prompt", arrival_time)
+    stream = await submit(ctx, token_ids, params, "prompt", arrival_time, request.stream)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     # Without a tokenizer the text is empty, so the choices carry their token ids.
     with_ids = bool(request.return_token_ids) or ctx.engine.tokenizer is None
@@ -61,7 +63,7 @@ def _response(
             logprobs = None
             if c.logprobs is not None:
                 logprobs, _ = completion_logprobs(
-                    ctx.engine.tokenizer, c.token_ids, 0, c.logprobs, text_offset=0
+                    ctx.engine.tokenizer, [], c.token_ids, c.logprobs, text_offset=0, ends=True
                 )
             choices.append(
                 CompletionChoice(
@@ -87,44 +89,37 @@ async def _chunks(
     request: CompletionRequest,
     with_ids: bool,
 ) -> AsyncIterator[CompletionResponse]:
-    trackers: dict[int, DeltaTracker] = {}
     text_offsets: dict[int, int] = defaultdict(int)
-    finals: dict[int, RequestOutput] = {}
+    last: dict[int, OutputDelta] = {}
     async for output in stream:
         prompt_index = stream.prompt_index(output)
-        finals[prompt_index] = output
+        last[prompt_index] = output
         choices = []
-        for completion in output.outputs:
-            index = prompt_index * params.n + completion.index
-            tracker = trackers.setdefault(index, DeltaTracker(params))
-            delta = tracker.advance(completion)
-            if delta is not None:
-                choice = await _chunk_choice(ctx, index, completion, delta, text_offsets)
-                choice.token_ids = delta.token_ids if with_ids else None
-                choices.append(choice)
+        for delta in output.choices:
+            index = prompt_index * params.n + delta.index
+            choice = await _chunk_choice(ctx, index, delta, text_offsets)
+            choice.token_ids = delta.token_ids if with_ids else None
+            choices.append(choice)
         if choices:
             yield CompletionResponse(id=response_id, model=ctx.model, choices=choices)
     if request.include_usage_in_stream:
-        usage = usage_of([finals[i] for i in sorted(finals)])
+        usage = stream_usage([last[i] for i in sorted(last)])
         yield CompletionResponse(id=response_id, model=ctx.model, choices=[], usage=usage)
 
 
 async def _chunk_choice(
-    ctx: ServerContext,
-    index: int,
-    completion: CompletionOutput,
-    delta: Delta,
-    text_offsets: dict[int, int],
+    ctx: ServerContext, index: int, delta: ChoiceDelta, text_offsets: dict[int, int]
 ) -> CompletionChoice:
     logprobs = None
     if delta.logprobs is not None:
         logprobs, text_offsets[index] = await ctx.tokenization.offload(
             completion_logprobs,
             ctx.engine.tokenizer,
-            completion.token_ids,
-            delta.first_token,
+            delta.context_ids,
+            delta.token_ids,
             delta.logprobs,
             text_offsets[index],
+            delta.finish_reason is not None,
         )
     return CompletionChoice(
         index=index,

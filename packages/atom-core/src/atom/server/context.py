@@ -18,17 +18,22 @@ class ServerContext:
     limits: RequestLimits
     options: ServeOptions
     guided: GuidedDecoding
+    sampling_defaults: dict  # for the sampling fields a request leaves out
 
     @classmethod
-    def of(cls, engine: AsyncEngine, options: ServeOptions, chat_template: str | None):
-        limits = RequestLimits.of(
-            engine.tokenizer, engine.max_model_len, options.max_n, options.max_stop_strings
-        )
+    def of(
+        cls,
+        engine: AsyncEngine,
+        options: ServeOptions,
+        chat_template: str | None,
+        sampling_defaults: dict | None = None,
+    ):
+        limits = RequestLimits.of(engine.tokenizer, engine.max_model_len, options)
         guided = GuidedDecoding(
             engine.tokenizer, engine.vocab_size, sorted(engine.engine.eos_token_ids)
         )
         tokenization = Tokenization(engine.tokenizer, chat_template)
-        return cls(engine, tokenization, limits, options, guided)
+        return cls(engine, tokenization, limits, options, guided, sampling_defaults or {})
 
     @property
     def model(self) -> str:

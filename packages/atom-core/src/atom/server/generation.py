@@ -8,6 +8,7 @@ import re
 from atom.engine.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
 from atom.server.context import ServerContext
+from atom.server.deltas import OutputDelta
 from atom.server.errors import APIError
 from atom.server.guided_protocol import GuideSpec
 from atom.server.output_stream import OutputStream
@@ -20,10 +21,11 @@ async def sampling_params_of(
 ) -> SamplingParams:
     """The request's SamplingParams; with `guide`, compiled into its guide factory."""
     try:
-        params = request.sampling_params()
+        params = request.sampling_params(ctx.sampling_defaults)
     except ValueError as exc:  # SamplingParamsError names the field
         raise APIError(400, str(exc), param=_field_named(exc)) from exc
     ctx.limits.check_stop(params)
+    ctx.limits.check_max_tokens(request, params)
     if guide is not None:
         factory = await ctx.tokenization.offload(ctx.guided.guide_factory, guide)
         params = dataclasses.replace(params, guide_factory=factory)
@@ -58,11 +60,13 @@ async def submit(
     params: SamplingParams,
     param: str,
     arrival_time: float,
+    deltas: bool,
 ) -> OutputStream:
     """Submits; a prompt or parameter the engine refuses (empty, too long, bad ids)
-    becomes a 400. arrival_time: `time.monotonic()` when the handler took the request."""
+    becomes a 400. arrival_time: `time.monotonic()` when the handler took the request.
+    deltas: the stream yields OutputDeltas (a streaming response), else final outputs."""
     try:
-        return await ctx.engine.submit(prompts, params, arrival_time)
+        return await ctx.engine.submit(prompts, params, arrival_time, deltas)
     except ValueError as exc:
         raise APIError(400, str(exc), param=_field_named(exc) or param) from exc
 
@@ -79,8 +83,17 @@ async def final_outputs(ctx: ServerContext, stream: OutputStream) -> list[Reques
 
 
 def usage_of(outputs: list[RequestOutput]) -> Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return _usage(sum(len(o.prompt_token_ids) for o in outputs), completion)
+
+
+def stream_usage(last_deltas: list[OutputDelta]) -> Usage:
+    """The usage of a streaming call from each prompt's last delta."""
+    prompt = sum(len(d.prompt_token_ids) for d in last_deltas)
+    return _usage(prompt, sum(d.num_output_tokens for d in last_deltas))
+
+
+def _usage(prompt: int, completion: int) -> Usage:
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )

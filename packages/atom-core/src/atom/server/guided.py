@@ -8,6 +8,7 @@ xgrammar is optional (`pip install "atom-core[guided]"`) and imported on first u
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 import torch
@@ -44,6 +45,16 @@ class GrammarGuide:
         return self.rejected or self.matcher.is_terminated()
 
 
+# xgrammar's C++ errors start "[23:55:17] /project/cpp/regex_converter.cc:83: ": a time and
+# a source location that mean nothing to the client.
+_SOURCE_LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+def _without_source_location(message: str) -> str:
+    first_line = message.strip().partition("\n")[0]
+    return _SOURCE_LOCATION.sub("", first_line)
+
+
 class GuidedDecoding:
     """Compiles guide specs for one server's tokenizer and vocabulary."""
 
@@ -61,7 +72,7 @@ class GuidedDecoding:
         try:
             compiled = self._compile(compiler, spec)
         except (RuntimeError, ValueError, TypeError) as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            message = _without_source_location(str(exc)) or type(exc).__name__
             raise APIError(
                 400, f"{spec.param}: cannot compile: {message}", param=spec.param
             ) from None

@@ -7,7 +7,7 @@ import socket
 from dataclasses import fields
 from typing import Any
 
-from atom.server.options import ServeOptions
+from atom.server.options import TOOL_CALL_PARSERS, ServeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -25,29 +25,45 @@ def run_server(
     log_level: str = "info",
     **kwargs: Any,
 ) -> None:
-    """Serves `model` (a local HF folder) until interrupted.
+    """Serves `model` (a local HF folder or a hub id) until interrupted.
 
     Keyword arguments named like ServeOptions' fields (served_model_name, max_n,
     chat_template, api_key, ...) set those; the rest go to `atom.LLM` (dtype, device,
-    max_model_len, block_size, num_blocks, max_num_seqs, ...). Raises StartupError for a
+    max_model_len, block_size, num_blocks, max_num_seqs, seed, ...); trust_remote_code is
+    accepted and logged as having no effect. Raises StartupError for a
     busy port (checked before the weights load), a bad model folder or a bad option.
     """
     import uvicorn
 
     from atom.server.app import build_app
     from atom.server.async_engine import AsyncEngine
+    from atom.server.sampling_defaults import GenerationConfigError, sampling_defaults
     from atom.server.tokenization import load_chat_template
 
     serve_kwargs = {k: kwargs.pop(k) for k in SERVE_OPTIONS & kwargs.keys()}
     options = ServeOptions(**{"served_model_name": model, **serve_kwargs})
+    if kwargs.pop("trust_remote_code", False):
+        logger.warning(
+            "--trust-remote-code has no effect: ATOM runs its own model classes and no code "
+            "from the checkpoint"
+        )
+    if options.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise StartupError(
+            f"--tool-call-parser {options.tool_call_parser!r} is not one ATOM has; it has: "
+            + ", ".join(TOOL_CALL_PARSERS)
+        )
     try:
         chat_template = load_chat_template(options.chat_template)
     except (ValueError, OSError) as exc:
         raise StartupError(str(exc)) from None
     listener = bind(host, port)
     llm = load_model(model, kwargs)  # kept alive here: it owns the engine's workers
-    engine = AsyncEngine(llm.engine)
-    app = build_app(engine, options.served_model_name, options, chat_template)
+    try:
+        defaults = sampling_defaults(options.generation_config, llm.engine.config.model.path)
+    except GenerationConfigError as exc:
+        raise StartupError(str(exc)) from None
+    engine = AsyncEngine(llm.engine, options.max_unread_tokens)
+    app = build_app(engine, options.served_model_name, options, chat_template, defaults)
     config = uvicorn.Config(app, log_level=log_level)  # also sets up uvicorn's loggers
     logging.getLogger("uvicorn.error").info(summary(llm, options, host, port))
     try:

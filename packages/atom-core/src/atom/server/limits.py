@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from atom.sampling_params import SamplingParams
 from atom.server.errors import APIError
+from atom.server.options import ServeOptions
 from atom.server.protocol import SamplingRequest
 
 
@@ -22,13 +23,15 @@ class RequestLimits:
     max_model_len: int
     max_prompt_chars: int | None  # None: no tokenizer, so no text prompts at all
     max_stop_strings: int
+    max_stop_chars: int
 
     @classmethod
-    def of(cls, tokenizer, max_model_len: int, max_n: int, max_stop_strings: int):
+    def of(cls, tokenizer, max_model_len: int, options: ServeOptions):
+        stop = (options.max_stop_strings, options.max_stop_chars)
         if tokenizer is None:
-            return cls(max_n, max_model_len, None, max_stop_strings)
+            return cls(options.max_n, max_model_len, None, *stop)
         longest_token = max(map(len, tokenizer.get_vocab()))
-        return cls(max_n, max_model_len, max_model_len * longest_token, max_stop_strings)
+        return cls(options.max_n, max_model_len, max_model_len * longest_token, *stop)
 
     def check_choices(self, request: SamplingRequest, num_prompts: int) -> None:
         """n and best_of, and prompts x n, within --max-n."""
@@ -53,13 +56,35 @@ class RequestLimits:
             )
 
     def check_stop(self, params: SamplingParams) -> None:
-        """At most --max-stop-strings stop strings."""
+        """At most --max-stop-strings stop strings of --max-stop-chars characters in all."""
         if len(params.stop) > self.max_stop_strings:
             raise APIError(
                 400,
                 f"stop has {len(params.stop)} strings; the limit is {self.max_stop_strings} "
                 "(--max-stop-strings)",
                 param="stop",
+            )
+        chars = sum(map(len, params.stop))
+        if chars > self.max_stop_chars:
+            raise APIError(
+                400,
+                f"stop has {chars} characters in all; the limit is {self.max_stop_chars} "
+                "(--max-stop-chars)",
+                param="stop",
+            )
+
+    def check_max_tokens(self, request: SamplingRequest, params: SamplingParams) -> None:
+        """max_tokens beyond max_model_len is a 400, as in vLLM (up to it, the output stops
+        where the context ends)."""
+        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
+            param = "max_tokens"
+            if getattr(request, "max_completion_tokens", None) is not None:
+                param = "max_completion_tokens"
+            raise APIError(
+                400,
+                f"{param}={params.max_tokens} cannot be greater than max_model_len="
+                f"{self.max_model_len}. Please request fewer output tokens.",
+                param=param,
             )
 
     def check_prompt(self, prompt: str | list[int], param: str) -> None:

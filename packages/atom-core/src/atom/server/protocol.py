@@ -92,9 +92,11 @@ class SamplingRequest(GuidedFields, StrictModel):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_fields(self, *extra: str) -> dict:
-        """The SamplingParams arguments this request sets (unset ones keep their defaults)."""
+    def sampling_fields(self, defaults: dict, *extra: str) -> dict:
+        """The SamplingParams arguments this request sets; unset ones take `defaults` (the
+        server's, --generation-config), then SamplingParams' own."""
         fields = self.model_dump(include=_SHARED_SAMPLING_FIELDS | set(extra), exclude_none=True)
+        fields = {**defaults, **fields}
         if self.logit_bias:
             fields["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
         return fields
@@ -125,9 +127,10 @@ class CompletionRequest(SamplingRequest):
             return [self.prompt]
         return list(self.prompt)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict) -> SamplingParams:
         # Omitted, max_tokens is 16; null means no limit but the context length.
-        return SamplingParams(**self.sampling_fields("logprobs"), max_tokens=self.max_tokens)
+        fields = self.sampling_fields(defaults, "logprobs")
+        return SamplingParams(**fields, max_tokens=self.max_tokens)
 
 
 class TextPart(StrictModel):
@@ -203,13 +206,13 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true")
         return top_logprobs
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict) -> SamplingParams:
         # Chat has no default length limit: it runs to max_model_len unless told otherwise.
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
         return SamplingParams(
-            **self.sampling_fields(),
+            **self.sampling_fields(defaults),
             max_tokens=max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )

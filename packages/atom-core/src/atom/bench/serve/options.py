@@ -4,6 +4,7 @@ builds its parser from this module before it knows which command runs)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from atom.bench.engines import ENGINES
@@ -46,6 +47,11 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
     parser.add_argument("--model", help="the model name to send (default: the server's first)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as Authorization: Bearer KEY (default: $OPENAI_API_KEY)",
+    )
     parser.add_argument("--label", default="server", help="this engine's name in the results")
     parser.add_argument(
         "--vocab-size",

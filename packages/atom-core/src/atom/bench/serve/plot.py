@@ -12,6 +12,7 @@ PANELS = (
     ("TTFT p99 (ms)", "ttft_ms", "p99"),
     ("TPOT p50 (ms)", "tpot_ms", "p50"),
     ("output tokens/s", "output_throughput", None),
+    ("failed requests", "failed", None),
 )
 
 
@@ -50,6 +51,7 @@ def write_plot(path: Path, rows: list[dict]) -> str | None:
                 ax.plot(range(len(rates)), ys, marker="o", label=engine)
             ax.set_xticks(range(len(rates)), rates)
             ax.set_xlabel("request rate (req/s)")
+            ax.set_ylim(bottom=0)  # from zero: a gap between lines reads as its real size
             ax.set_title(f"{title}\n{model} {workload}", fontsize=9)
             ax.grid(alpha=0.3)
         axes_row[0].legend(fontsize=8)

@@ -66,15 +66,24 @@ def _cells(row: dict) -> list[str]:
 
 
 def format_table(rows: list[dict], markdown: bool = False) -> str:
-    """Rates in requests/s (inf: all at once), latencies in ms, goodput in requests/s."""
+    """Rates in requests/s (inf: all at once), latencies in ms, goodput in requests/s;
+    below the table, each run's failed requests and their reasons."""
     cells = [list(COLUMNS)] + [_cells(r) for r in ordered(rows)]
     if markdown:
         lines = ["| " + " | ".join(c) + " |" for c in cells]
         lines.insert(1, "|" + "---|" * len(COLUMNS))
-        return "\n".join(lines)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    lines = ["  ".join(v.rjust(w) for v, w in zip(c, widths)) for c in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    else:
+        widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+        lines = ["  ".join(v.rjust(w) for v, w in zip(c, widths)) for c in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    failures = [
+        f"{r['engine']} {r['workload']} @ {r['rate']}: {r['failed']} failed: "
+        + "; ".join(r.get("errors") or ["(no reason recorded)"])
+        for r in ordered(rows)
+        if r.get("failed")
+    ]
+    if failures:
+        lines += ["", "failed requests (up to 3 distinct reasons per run):", *failures]
     return "\n".join(lines)
 
 

@@ -35,12 +35,14 @@ def make_sweep(args: argparse.Namespace, base_url: str, model: str, vocab_size: 
         slo=Slo(args.slo_ttft_ms, args.slo_tpot_ms),
         warmup=args.warmup,
         timeout_s=args.request_timeout,
+        api_key=getattr(args, "api_key", None),  # serve-suite starts its own servers, keyless
     )
 
 
-def served_model(base_url: str) -> str:
+def served_model(base_url: str, api_key: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=30)
+        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=30, headers=headers)
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
@@ -62,7 +64,7 @@ def main(args: argparse.Namespace) -> list[dict]:
         rows = merge_results([Path(p) for p in args.compare])
         publish(rows, out, "serve-compare", {"compare": args.compare})
         return rows
-    model = args.model or served_model(args.base_url)
+    model = args.model or served_model(args.base_url, args.api_key)
     sweep = make_sweep(args, args.base_url, model, args.vocab_size)
     rows = [dict(engine=args.label, model=model) | row for row in run_sweep(sweep)]
     publish(rows, out, f"serve-{args.label}", {"engine": args.label} | sweep.settings())

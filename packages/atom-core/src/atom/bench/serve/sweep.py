@@ -31,10 +31,16 @@ class Sweep:
     slo: Slo
     warmup: int  # untimed requests before the first timed run
     timeout_s: float  # the longest a request may wait for its next byte
+    api_key: str | None = None  # sent as `Authorization: Bearer` when set
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def settings(self) -> dict:
         """What a result file records: every field, the workloads' length distributions."""
-        return asdict(self) | {"rates": [rate_label(r) for r in self.rates]}
+        recorded = asdict(self) | {"rates": [rate_label(r) for r in self.rates]}
+        return recorded | {"api_key": "<set>" if self.api_key else None}  # never the key
 
 
 async def run_requests(
@@ -48,7 +54,7 @@ async def run_requests(
     # httpx's default pool of 100 connections would be a hidden concurrency cap.
     limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
     timeout = httpx.Timeout(sweep.timeout_s)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=sweep.headers) as client:
         with tqdm(total=len(requests), desc=desc, unit="req", dynamic_ncols=True) as bar:
             start = time.perf_counter()
 
