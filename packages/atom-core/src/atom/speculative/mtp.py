@@ -86,7 +86,7 @@ class MtpDrafter(nn.Module):
     def draft_tokens(self, output: torch.Tensor, step: int) -> torch.Tensor:
         return self.layer(step).shared_head.head(output).argmax(-1)
 
-    def target_features(self, final_hidden: torch.Tensor, aux_hidden: torch.Tensor | None):
+    def target_features(self, final_hidden: torch.Tensor) -> torch.Tensor:
         return final_hidden
 
     def checkpoint_names(

@@ -16,7 +16,7 @@ distribution, which keeps the output exact (verifier.py).
 
 A drafter (mtp.MtpDrafter, eagle3.Eagle3Drafter) offers `forward(input_ids, positions,
 hidden, step) -> (output, state)`, `draft_tokens(output rows, step)` in the target's
-vocabulary, and `target_features(final hidden, aux hidden)`: what it reads of the target.
+vocabulary, and `target_features(final hidden)`: what it reads of the target's step.
 """
 
 from __future__ import annotations
