@@ -193,4 +193,5 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return self.device.startswith("cuda") and not self.enforce_eager
+        # Verify and draft steps are not captured yet (docs/performance.md).
+        return self.device.startswith("cuda") and not self.enforce_eager and not self.speculative

@@ -10,8 +10,8 @@ import pytest
 
 from atom import LLM, SamplingParams
 from tests.engine.test_engine import assert_equal_up_to_float_rounding
-from tests.models.harness import make_prompts
 from tests.speculative.mtp_checkpoints import write_mtp_checkpoint
+from tests.speculative.workload import prompts, run
 
 
 def engine(folder, speculative: bool, **kwargs) -> LLM:
@@ -23,22 +23,6 @@ def engine(folder, speculative: bool, **kwargs) -> LLM:
         speculative_config=spec,
         **kwargs,
     )
-
-
-def prompts() -> list[list[int]]:
-    # Two prompts share a 20-token prefix so the second run hits the prefix cache.
-    base = make_prompts(256, [7, 20, 33, 3], seed=11)
-    return [*base, base[1] + [9, 4, 2]]
-
-
-def params() -> list[SamplingParams]:
-    return [
-        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 17, 30, 9)
-    ] + [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[3, 50])]
-
-
-def run(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts(), params(), use_tqdm=False)]
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "glm-4.5"])
@@ -91,3 +75,18 @@ def test_logprobs_penalties_and_seeded_sampling(tmp_path, caplog):
         r for r in caplog.records if "requests with penalties decode without drafts" in r.message
     ]
     assert len(skipped) == 1
+
+
+def test_forced_acceptance_sets_the_rate(tmp_path):
+    """For benchmarks: drafts of a drafter that is never right are accepted at the set
+    rate, so a step's cost can be measured at a chosen mean accepted length."""
+    folder = write_mtp_checkpoint("glm-4.5", tmp_path, "random")
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "forced_acceptance": 0.6}
+    llm = LLM(model=str(folder), dtype="float32", skip_tokenizer_init=True, speculative_config=spec)
+    llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 100
+    # Each draft is accepted with probability 0.6 until the first rejection.
+    assert 0.45 < stats.accepted_per_position[0] / stats.num_drafts < 0.75, stats
+    expected_length = 1 + 0.6 + 0.6**2 + 0.6**3
+    assert abs(stats.mean_accepted_length - expected_length) < 0.3, stats

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from atom.bench.drafter import with_random_drafter
 from atom.bench.profile import summarize
 from atom.bench.report import median_run
 from atom.bench.teacher_forcing import Position, from_entries, from_logprobs, to_json
@@ -68,7 +69,15 @@ class AtomEngine:
         )
         if job["device"] != "cpu":
             kwargs["gpu_memory_utilization"] = job["gpu_memory_utilization"]
-        self.llm = LLM(model=job["model"], **kwargs, **job["options"])
+        options = with_random_drafter(job["model"], job["options"])
+        self.llm = LLM(model=job["model"], **kwargs, **options)
+
+    def spec_counts(self) -> tuple[int, int, int] | None:
+        """(verify steps, drafted tokens, accepted tokens) so far; None without drafts."""
+        if self.llm.engine.proposer is None:
+            return None
+        stats = self.llm.engine.spec_stats
+        return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         params = self.params(
@@ -281,6 +290,7 @@ def run_workloads(engine, job: dict) -> None:
         engine.generate(
             make_prompts(warm, job["vocab_size"], job["seed"] + repeats), warm.output_len
         )
+        counts_before = engine.spec_counts() if hasattr(engine, "spec_counts") else None
         runs = [
             timed_run(engine, job, workload, seed=job["seed"] + i, traced=i == 0)
             for i in range(repeats)
@@ -295,6 +305,12 @@ def run_workloads(engine, job: dict) -> None:
         }
         if hasattr(engine, "kv_report"):
             result |= engine.kv_report(workload.input_len + workload.output_len)
+        if counts_before is not None:
+            steps, drafted, accepted = (b - a for a, b in zip(counts_before, engine.spec_counts()))
+            result |= {
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "mean_accepted_length": 1 + accepted / steps if steps else 0.0,
+            }
         emit("result", workload=workload.name, **result)
 
 

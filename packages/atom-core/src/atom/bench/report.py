@@ -74,25 +74,33 @@ def median_rounds(rounds: list[list[dict]], baseline: str) -> list[dict]:
     return merged
 
 
-def _row(r: dict, by_round: bool) -> list[str]:
+def _row(r: dict, by_round: bool, speculative: bool) -> list[str]:
     numbers = (
         [f"{r['output_tok_s']:,.1f}", _gb_s(r.get("gb_s")), f"{r['total_tok_s']:,.1f}"]
         if "output_tok_s" in r
         else ["failed", "-", "-"]
     )
     ratio = _ratio(r.get("ratio"))
-    return [
-        r["shape"],
-        r["engine"],
-        str(r["num_prompts"]),
-        str(r["input_len"]),
-        str(r["output_len"]),
-        *numbers,
-        ratio,
-    ] + (
-        [_paired(r.get("paired_ratio")), " ".join(_ratio(x) for x in r.get("ratio_rounds", []))]
-        if by_round
-        else []
+    return (
+        [
+            r["shape"],
+            r["engine"],
+            str(r["num_prompts"]),
+            str(r["input_len"]),
+            str(r["output_len"]),
+            *numbers,
+            ratio,
+        ]
+        + (
+            [_paired(r.get("paired_ratio")), " ".join(_ratio(x) for x in r.get("ratio_rounds", []))]
+            if by_round
+            else []
+        )
+        + (
+            [_ratio(r.get("mean_accepted_length")), _ratio(r.get("acceptance_rate"))]
+            if speculative
+            else []
+        )
     )
 
 
@@ -113,7 +121,9 @@ def format_table(results: list[dict], baseline: str) -> str:
     by_round = any("ratio_rounds" in r for r in results)
     header = [*COLUMNS[:-1], f"ratio vs {baseline}"]
     header += ["paired ratio (95% CI)", "ratio by round"] if by_round else []
-    rows = [header] + [_row(r, by_round) for r in results]
+    speculative = any("mean_accepted_length" in r for r in results)
+    header += ["tokens/verify step", "acceptance"] if speculative else []
+    rows = [header] + [_row(r, by_round, speculative) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

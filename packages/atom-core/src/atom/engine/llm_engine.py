@@ -21,7 +21,6 @@ from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
 from atom.engine.state_cache import StateSlots, num_state_slots
 from atom.engine.step_arrays import StepInput, TokenFeed
-from atom.loader import checkpoint_tensor_names
 from atom.sampling_params import SamplingParams
 from atom.speculative.proposer import Proposer
 from atom.speculative.stats import SpeculativeStats
@@ -88,7 +87,7 @@ class LLMEngine:
         self.spec_stats = SpeculativeStats()
         self._skipped_features: set[str] = set()
         if config.speculative is not None:
-            self.proposer = Proposer(self.model, self.executor.runner.prepare)
+            self.proposer = Proposer(self.model.drafter, self.executor.runner.prepare)
             self.spec_stats = SpeculativeStats(config.speculative.num_speculative_tokens)
         self.sampler = Sampler(config.seed, compile=config.compile)
         self.eos_token_ids = _eos_ids(config.model.hf_config, tokenizer)
@@ -96,6 +95,8 @@ class LLMEngine:
         self._request_counter = itertools.count()
         if async_scheduling is None:
             async_scheduling = config.device.startswith("cuda")
+        if config.speculative is not None and config.device.startswith("cuda"):
+            logger.info("CUDA graphs are off: speculative steps run eagerly")
         if async_scheduling and config.speculative is not None:
             logger.info("async scheduling is off: speculative decoding verifies on the host")
             async_scheduling = False
@@ -249,6 +250,7 @@ class LLMEngine:
             logits = self.executor.execute(plan.inputs, plan.rows, feed)
         else:
             logits, hidden = self.executor.runner.execute_keeping_hidden(plan.inputs, plan.rows)
+            hidden = self.proposer.drafter.target_features(hidden)
         for seq, n, d in zip(batch.seqs, batch.num_new_tokens, drafts):
             # Drafts count as computed once accepted (_finish_verified).
             seq.num_computed_tokens += n - len(d)
@@ -513,7 +515,7 @@ def check_speculative(config: EngineConfig) -> None:
     spec, model = config.speculative, config.model
     if config.parallel.tensor_parallel_size > 1:
         raise ConfigError("speculative decoding runs with tensor_parallel_size=1 for now")
-    spec.check_model(model.hf_config, model.entry.architecture, checkpoint_tensor_names(model.path))
+    spec.check_model(model.hf_config, model.entry.architecture, model.path)
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

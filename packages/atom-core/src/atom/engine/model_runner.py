@@ -20,6 +20,7 @@ from atom.kernels.kv_cache import fp8_kv_cache_unsupported
 from atom.layers.quantization import get_quant_config
 from atom.loader import load_model_weights
 from atom.speculative.config import MTP_RECYCLES_NORMED, SpeculativeConfig
+from atom.speculative.eagle3 import load_eagle3_drafter, read_drafter_config
 from atom.speculative.mtp import MtpDrafter
 
 logger = logging.getLogger(__name__)
@@ -45,13 +46,20 @@ def build_model(
     `speculative`, the model carries its drafter as `model.drafter`."""
     model_cls = config.entry.load_class()
     quant_config = get_quant_config(config.hf_config)
+    mtp = speculative is not None and speculative.method == "mtp"
     with torch.device(device), default_dtype(config.dtype):
         model = model_cls(config.hf_config, quant_config)
-        if speculative is not None:
+        if mtp:  # its weights are the target checkpoint's
             model.drafter = MtpDrafter(
                 model, quant_config, MTP_RECYCLES_NORMED[config.entry.architecture]
             )
     load_model_weights(model, config.path, progress=progress)
+    if speculative is not None and not mtp:
+        drafter_config = read_drafter_config(
+            speculative.model, config.hf_config, config.entry.architecture
+        )
+        with torch.device(device), default_dtype(config.dtype):
+            model.drafter = load_eagle3_drafter(model, speculative.model, drafter_config)
     return model.eval()
 
 

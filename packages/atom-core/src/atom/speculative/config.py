@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from atom.config import ConfigError
+from atom.loader import checkpoint_tensor_names
 
-METHODS = ("mtp",)
+METHODS = ("mtp", "eagle3")
 # Architectures whose checkpoints carry MTP layers ATOM runs (`num_nextn_predict_layers`
 # of them): whether the next draft reads the layer's normed output (mtp.MtpDrafter).
 MTP_RECYCLES_NORMED = {"DeepseekV3ForCausalLM": True, "Glm4MoeForCausalLM": False}
@@ -15,7 +16,8 @@ MTP_RECYCLES_NORMED = {"DeepseekV3ForCausalLM": True, "Glm4MoeForCausalLM": Fals
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: "mtp" (the checkpoint's own multi-token-prediction layers).
+    """method: "mtp" (the checkpoint's own multi-token-prediction layers) or "eagle3"
+    (an EAGLE-3 drafter in the folder `model`).
     num_speculative_tokens: drafts per step and sequence.
     forced_acceptance: for benchmarks only, each draft is accepted with this probability
     whatever the target says (the output then no longer follows the target), so the
@@ -23,13 +25,14 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
+    model: str | None = None
     forced_acceptance: float | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"speculative_config must be a dict, not {type(raw).__name__}")
-        known = {"method", "num_speculative_tokens", "forced_acceptance"}
+        known = {"method", "num_speculative_tokens", "model", "forced_acceptance"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(
@@ -37,7 +40,12 @@ class SpeculativeConfig:
             )
         if "method" not in raw or "num_speculative_tokens" not in raw:
             raise ConfigError("speculative_config needs 'method' and 'num_speculative_tokens'")
-        config = cls(raw["method"], raw["num_speculative_tokens"], raw.get("forced_acceptance"))
+        config = cls(
+            raw["method"],
+            raw["num_speculative_tokens"],
+            raw.get("model"),
+            raw.get("forced_acceptance"),
+        )
         config.validate()
         return config
 
@@ -49,12 +57,24 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ConfigError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method == "eagle3" and not self.model:
+            raise ConfigError("speculative method 'eagle3' needs 'model': the drafter's folder")
+        if self.method == "mtp" and self.model:
+            raise ConfigError(
+                "speculative method 'mtp' runs the target checkpoint's own MTP layers; "
+                "'model' is for 'eagle3'"
+            )
         rate = self.forced_acceptance
         if rate is not None and not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
             raise ConfigError(f"forced_acceptance must be in [0, 1], got {rate!r}")
 
-    def check_model(self, hf_config: Any, architecture: str, tensor_names: set[str]) -> None:
-        """Fails before loading where the checkpoint cannot serve this method."""
+    def check_model(self, hf_config: Any, architecture: str, folder: str) -> None:
+        """Fails before loading where the checkpoint (or drafter) cannot serve this method."""
+        if self.method == "eagle3":
+            from atom.speculative.eagle3 import read_drafter_config
+
+            read_drafter_config(self.model, hf_config, architecture)
+            return
         field = "num_nextn_predict_layers"
         if architecture not in MTP_RECYCLES_NORMED:
             raise ConfigError(
@@ -65,7 +85,7 @@ class SpeculativeConfig:
         if count < 1:
             raise ConfigError(f"speculative method 'mtp' needs MTP layers, but {field} is {count}")
         first = f"model.layers.{hf_config.num_hidden_layers}.eh_proj.weight"
-        if first not in tensor_names:
+        if first not in checkpoint_tensor_names(folder):
             raise ConfigError(
                 f"speculative method 'mtp': the checkpoint has no MTP weights ({first} is "
                 f"missing although {field} is {count})"

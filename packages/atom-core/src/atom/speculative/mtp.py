@@ -49,9 +49,6 @@ class MtpLayer(nn.Module):
         hidden, residual = self.mtp_block(positions, self.eh_proj(joined), None)
         return hidden + residual
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(self.shared_head.norm(hidden))
-
 
 class MtpDrafter(nn.Module):
     """The checkpoint's MTP layers; draft step j runs layer j modulo their number.
@@ -62,6 +59,7 @@ class MtpDrafter(nn.Module):
     def __init__(self, target: nn.Module, quant_config, recycle_normed: bool):
         super().__init__()
         config = target.config
+        self.embed = target.model.embed_tokens.forward  # the checkpoint's copy is the same
         self.first_index = config.num_hidden_layers
         self.recycle_normed = recycle_normed
         decoder_layer = target.model_cls.decoder_layer
@@ -76,18 +74,20 @@ class MtpDrafter(nn.Module):
         return self.layers[str(self.first_index + step % len(self.layers))]
 
     def forward(
-        self,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        previous_hidden: torch.Tensor,
-        step: int,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [T, vocab] in fp32, the hidden state the next draft step reads)."""
+        """(the output rows `draft_tokens` reads, the state the next draft step reads);
+        `hidden` is the target's final hidden state at step 0, then that state."""
         layer = self.layer(step)
-        hidden = layer(embeds, positions, previous_hidden)
-        normed = layer.shared_head.norm(hidden)
-        logits = layer.shared_head.head(normed).float()
-        return logits, normed if self.recycle_normed else hidden
+        output = layer(self.embed(input_ids), positions, hidden)
+        normed = layer.shared_head.norm(output)
+        return normed, normed if self.recycle_normed else output
+
+    def draft_tokens(self, output: torch.Tensor, step: int) -> torch.Tensor:
+        return self.layer(step).shared_head.head(output).argmax(-1)
+
+    def target_features(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return final_hidden
 
     def checkpoint_names(
         self, weights: Iterable[tuple[str, torch.Tensor]], prefix: str

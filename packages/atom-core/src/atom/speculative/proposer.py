@@ -13,6 +13,10 @@ next step, once their next tokens are known (`Sequence.drafter_backlog`). Each s
 
 Drafts are the drafter's argmax: the verifier treats them as draws from a one-hot
 distribution, which keeps the output exact (verifier.py).
+
+A drafter (mtp.MtpDrafter, eagle3.Eagle3Drafter) offers `forward(input_ids, positions,
+hidden, step) -> (output, state)`, `draft_tokens(output rows, step)` in the target's
+vocabulary, and `target_features(final hidden)`: what it reads of the target's step.
 """
 
 from __future__ import annotations
@@ -26,10 +30,9 @@ from atom.forward_context import set_forward_context
 
 
 class Proposer:
-    def __init__(self, model: nn.Module, prepare):
+    def __init__(self, drafter: nn.Module, prepare):
         """prepare: the runner's StepInput list -> (input_ids, positions, metadata)."""
-        self.model = model
-        self.drafter = model.drafter
+        self.drafter = drafter
         self.prepare = prepare
 
     def _forward(
@@ -37,8 +40,7 @@ class Proposer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, positions, metadata = self.prepare(inputs)
         with set_forward_context(metadata):
-            embeds = self.model.model.embed_tokens(input_ids)
-            return self.drafter(embeds, positions, hidden, step)
+            return self.drafter(input_ids, positions, hidden, step)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
@@ -61,12 +63,12 @@ class Proposer:
             )
             hidden.append(rows)
             last_rows.append(sum(len(h) for h in hidden) - 1)
-        logits, recycled = self._forward(inputs, torch.cat(hidden), 0)
+        output, recycled = self._forward(inputs, torch.cat(hidden), 0)
         drafting = [(i, row) for i, row in zip(order, last_rows) if num_drafts[i] > 0]
         if not drafting:
             return drafts
-        rows = torch.tensor([row for _, row in drafting], device=logits.device)
-        tokens, state = logits[rows].argmax(-1), recycled[rows]
+        rows = torch.tensor([row for _, row in drafting], device=output.device)
+        tokens, state = self.drafter.draft_tokens(output[rows], 0), recycled[rows]
         ids = [i for i, _ in drafting]
         for step in range(1, max(num_drafts[i] for i in ids) + 1):
             for i, token in zip(ids, tokens.tolist()):
@@ -83,6 +85,6 @@ class Proposer:
                 StepInput([drafts[i][-1]], len(seqs[i].token_ids) + step - 2, seqs[i].block_tables)
                 for i in ids
             ]
-            logits, state = self._forward(inputs, state, step)
-            tokens = logits.argmax(-1)
+            output, state = self._forward(inputs, state, step)
+            tokens = self.drafter.draft_tokens(output, step)
         return drafts
