@@ -64,7 +64,7 @@ def test_logprobs_penalties_and_seeded_sampling(tmp_path, caplog):
         ]
 
     expected = outputs(engine(folder, speculative=False))
-    with caplog.at_level(logging.INFO, logger="atom.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="atom.speculative.draft_policy"):
         llm = engine(folder, speculative=True)
         first, again = outputs(llm), outputs(llm)
     # Greedy tokens and their logprobs are the target's; penalised requests run unchanged.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from atom.config import ConfigError, EngineConfig
+from atom.config import EngineConfig
 from atom.engine.block_manager import BlockManager
 from atom.engine.detokenizer import Detokenizer, find_stop_string
 from atom.engine.executor import Executor
@@ -22,6 +22,8 @@ from atom.engine.sequence import Sequence
 from atom.engine.state_cache import StateSlots, num_state_slots
 from atom.engine.step_arrays import StepInput, TokenFeed
 from atom.sampling_params import SamplingParams
+from atom.speculative.config import check_engine_config
+from atom.speculative.draft_policy import DraftPolicy
 from atom.speculative.proposer import Proposer
 from atom.speculative.stats import SpeculativeStats
 from atom.speculative.verifier import PendingVerification, verify
@@ -61,7 +63,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)
         if config.speculative is not None:
-            check_speculative(config)
+            check_engine_config(config)
         check_parallel(config)
         self.executor = Executor(config)
         self.model = self.executor.model
@@ -76,16 +78,18 @@ class LLMEngine:
             prefix_caching,
             self.kv_layout.windows,
         )
+        self.draft_policy = None
+        if config.speculative is not None:
+            self.draft_policy = DraftPolicy(config.speculative, config.model.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             StateSlots(config.max_num_seqs) if hybrid else None,
-            self._num_drafts if config.speculative is not None else None,
+            self.draft_policy.num_drafts if self.draft_policy is not None else None,
         )
         self.proposer = None
         self.spec_stats = SpeculativeStats()
-        self._skipped_features: set[str] = set()
         if config.speculative is not None:
             self.proposer = Proposer(self.model.drafter, self.executor.runner.prepare)
             self.spec_stats = SpeculativeStats(config.speculative.num_speculative_tokens)
@@ -278,7 +282,7 @@ class LLMEngine:
                 for seq, n, d, start in zip(
                     batch.seqs, batch.num_new_tokens, drafts, plan.token_starts
                 )
-                if self._may_draft(seq)
+                if self.draft_policy.may_draft(seq)
             ]
         return step
 
@@ -336,37 +340,6 @@ class LLMEngine:
         seq.num_computed_tokens += len(emitted) - 1
         if self.block_manager.enable_prefix_caching:
             self.block_manager.register_full_blocks(seq)
-
-    def _num_drafts(self, seq: Sequence) -> int:
-        """Drafts a decoding sequence verifies this step: none before the drafter has
-        read its last rows, while EOS is still blocked (min_tokens), or past its limit."""
-        if seq.drafter_backlog is None or not self._may_draft(seq):
-            return 0
-        params = seq.params
-        if seq.num_output_tokens < params.min_tokens:
-            return 0
-        limit = self.config.model.max_model_len
-        if params.max_tokens is not None:
-            limit = min(limit, seq.num_prompt_tokens + params.max_tokens)
-        return max(
-            0, min(self.config.speculative.num_speculative_tokens, limit - seq.num_tokens - 1)
-        )
-
-    def _may_draft(self, seq: Sequence) -> bool:
-        """Penalties, logit_bias and guides change each token's distribution with the
-        tokens before it; such sequences decode one token per step (logged once)."""
-        params = seq.params
-        feature = (
-            "penalties" if uses_penalties(params)
-            else "logit_bias or guided decoding" if params.has_logits_processors
-            else None
-        )  # fmt: skip
-        if feature is None:
-            return True
-        if feature not in self._skipped_features:
-            self._skipped_features.add(feature)
-            logger.info("speculative decoding: requests with %s decode without drafts", feature)
-        return False
 
     def _take_token(self, seq: Sequence, result, arrived: float) -> None:
         """Appends a sampled token, or fills the placeholder a fed step left for it."""
@@ -508,14 +481,6 @@ def _select(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == logits.shape[0]:
         return logits
     return logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-
-
-def check_speculative(config: EngineConfig) -> None:
-    """Fails before any weight loads where speculative decoding cannot run."""
-    spec, model = config.speculative, config.model
-    if config.parallel.tensor_parallel_size > 1:
-        raise ConfigError("speculative decoding runs with tensor_parallel_size=1 for now")
-    spec.check_model(model.hf_config, model.entry.architecture, model.path)
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from atom.config import ConfigError
+from atom.config import ConfigError, EngineConfig
 from atom.loader import checkpoint_tensor_names
 
 METHODS = ("mtp", "eagle3")
@@ -90,3 +90,11 @@ class SpeculativeConfig:
                 f"speculative method 'mtp': the checkpoint has no MTP weights ({first} is "
                 f"missing although {field} is {count})"
             )
+
+
+def check_engine_config(config: EngineConfig) -> None:
+    """Fails before any weight loads where speculative decoding cannot run."""
+    spec, model = config.speculative, config.model
+    if config.parallel.tensor_parallel_size > 1:
+        raise ConfigError("speculative decoding runs with tensor_parallel_size=1 for now")
+    spec.check_model(model.hf_config, model.entry.architecture, model.path)
