@@ -1,8 +1,9 @@
 """A random one-layer EAGLE-3 drafter for a bench shape, written next to its checkpoint.
 
 `atom bench --atom-option speculative_config='{"method": "eagle3", ...}'` without a
-"model" gets one: with `forced_acceptance` the mechanism's cost is then measured at a
-chosen acceptance, whatever a random drafter would draft.
+"model" gets one (so does `--vllm-option`): with ATOM's `forced_acceptance` (vLLM's
+synthetic rejection sampling) the mechanism's cost is then measured at a chosen
+acceptance, whatever a random drafter would draft.
 """
 
 from __future__ import annotations

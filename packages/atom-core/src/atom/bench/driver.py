@@ -110,7 +110,8 @@ class VllmEngine:
             gpu_memory_utilization=job["gpu_memory_utilization"],
             seed=0,
         )
-        self.llm = vllm.LLM(model=job["model"], **(defaults | job["options"]))
+        options = with_random_drafter(job["model"], job["options"])
+        self.llm = vllm.LLM(model=job["model"], **(defaults | options))
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         params = self.params(
