@@ -46,7 +46,7 @@ class AtomRunConfig:
     """The ATOM side of one vLLM model instance."""
 
     entry: ModelEntry
-    hf_config: Any  # transformers.PretrainedConfig, read-only
+    hf_config: Any  # transformers.PretrainedConfig, read-only: the text model's
     dtype: torch.dtype
     quant_config: QuantizationConfig | None
     tensor_parallel_size: int
@@ -90,7 +90,8 @@ def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
 
     return AtomRunConfig(
         entry=entry,
-        hf_config=hf_config,
+        # ATOM runs text models: a multimodal checkpoint's (Kimi-K2.5) is its text config.
+        hf_config=model_config.hf_text_config,
         dtype=model_config.dtype,
         quant_config=quant_config,
         tensor_parallel_size=parallel.tensor_parallel_size,
