@@ -94,7 +94,7 @@ _ENTRIES = (
         "DeepSeek-V3.2",
         attention="MLA",
         moe=True,
-        hosts=("atom", "vllm"),
+        hosts=("atom", "vllm", "sglang"),
     ),
     ModelEntry(
         "GlmMoeDsaForCausalLM",
@@ -103,7 +103,7 @@ _ENTRIES = (
         "GLM-5",
         attention="MLA",
         moe=True,
-        hosts=("atom", "vllm"),
+        hosts=("atom", "vllm", "sglang"),
     ),
     # transformers' name; the released checkpoints (Moonshot's remote code) and vLLM's and
     # SGLang's own classes spell it without the underscore.
@@ -114,7 +114,7 @@ _ENTRIES = (
         "Kimi-K2.5 (the text model of the multimodal checkpoints)",
         attention="MLA",
         moe=True,
-        hosts=("atom", "vllm"),
+        hosts=("atom", "vllm", "sglang"),
         aliases=("KimiK25ForConditionalGeneration",),
     ),
     ModelEntry(
