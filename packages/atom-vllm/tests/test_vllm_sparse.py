@@ -14,6 +14,8 @@ architecture name (KimiK25ForConditionalGeneration), not transformers'.
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from vllm_harness import BLOCK_SIZE, ENGINE, PREFIX_BLOCKS, Job, result_of, rounds, run_jobs
@@ -44,21 +46,25 @@ def runnable(arch: str) -> str | None:
     return hf_reference_problem(arch)
 
 
-def renamed(folder, architecture: str):
-    """The checkpoint in `folder` under another `architectures` name."""
-    config_file = folder / "config.json"
-    config = json.loads(config_file.read_text())
+def renamed(folder: Path, architecture: str, root: Path) -> Path:
+    """A copy of the checkpoint in `folder` whose config names `architecture` (the
+    session's checkpoint is left as transformers wrote it)."""
+    if json.loads((folder / "config.json").read_text())["architectures"] == [architecture]:
+        return folder
+    copy = Path(shutil.copytree(folder, root / architecture))
+    config = json.loads((copy / "config.json").read_text())
     config["architectures"] = [architecture]
-    config_file.write_text(json.dumps(config, indent=2))
-    return folder
+    (copy / "config.json").write_text(json.dumps(config, indent=2))
+    return copy
 
 
 @pytest.fixture(scope="module")
 def runs(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("released-names")
     jobs = [
         Job(
             arch,
-            renamed(checkpoints(arch), served),
+            renamed(checkpoints(arch), served, root),
             ENGINE,
             rounds(ROUNDS_SEED + i),
             env={"VLLM_MLA_DISABLE": "1"},

@@ -1,8 +1,9 @@
 """Config bridge: what ATOM needs from a `VllmConfig`, read once, nothing vLLM-typed kept.
 
 ATOM model classes take `(hf_config, quant_config, prefix)`. vLLM already parsed the
-checkpoint's `config.json` into a transformers config, so that object is handed over
-as is (ATOM only reads it); the dtype comes from vLLM's model config and the
+checkpoint's `config.json` into a transformers config, so that object (a multimodal
+checkpoint's text config, as vLLM's `hf_text_config` gives it) is handed over as is
+(ATOM only reads it); the dtype comes from vLLM's model config and the
 quantization config is rebuilt by ATOM from the checkpoint's `quantization_config`.
 Features ATOM's wrapper does not implement fail here, with the way out.
 """
