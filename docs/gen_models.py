@@ -21,6 +21,11 @@ README_END = "<!-- end of generated section -->"
 HOST_COLUMNS = {"atom": "native engine", "vllm": "vLLM", "sglang": "SGLang"}
 
 
+def names(entry) -> str:
+    """The architecture name and its aliases, as code."""
+    return ", ".join(f"`{name}`" for name in entry.names)
+
+
 def render() -> str:
     """docs/models.md."""
     lines = [
@@ -33,7 +38,7 @@ def render() -> str:
     ]
     for entry in all_models():
         lines.append(
-            f"| `{entry.architecture}` | {entry.family} | {entry.attention} | "
+            f"| {names(entry)} | {entry.family} | {entry.attention} | "
             f"{'yes' if entry.moe else 'no'} | {', '.join(entry.quant)} | {', '.join(entry.hosts)} |"
         )
     return "\n".join(lines) + "\n"
@@ -47,7 +52,7 @@ def render_hosts() -> str:
     ]
     for entry in all_models():
         runs = " | ".join("yes" if host in entry.hosts else "no" for host in HOST_COLUMNS)
-        lines.append(f"| {entry.family} | `{entry.architecture}` | {runs} |")
+        lines.append(f"| {entry.family} | {names(entry)} | {runs} |")
     return "\n".join(lines) + "\n"
 
 

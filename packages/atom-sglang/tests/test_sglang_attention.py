@@ -185,9 +185,10 @@ def test_mla_backend_reads_an_fp8_latent_pool(prefix_lens, new_lens):
 
 
 def test_impls_satisfy_atoms_protocols():
-    from atom.layers.attention_impl import AttentionImpl, MLAImpl
+    from atom.layers.attention_impl import AttentionImpl, MLAImpl, SparseMLAImpl
     from atom.testing.contract import contract_problems
     from atom_sglang.attention_layer import SglangAttention, SglangMLAAttention
 
     assert contract_problems(SglangAttention, AttentionImpl) == []
     assert contract_problems(SglangMLAAttention, MLAImpl) == []
+    assert contract_problems(SglangMLAAttention, SparseMLAImpl) == []

@@ -31,6 +31,10 @@ import atom_sglang
         "sglang.srt.arg_groups.overrides:model_config_of",
         "sglang.srt.connector:ConnectorType.INSTANCE",
         "sglang.srt.utils.common:parse_connector_type",
+        # Changes 9 and 10: the DSA test SGLang asks and the model config it derives.
+        "sglang.srt.configs.model_config:is_deepseek_dsa",
+        "sglang.srt.configs.model_config:ModelConfig._derive_model_shapes",
+        "sglang.srt.plugins.hook_registry:HookType.AFTER",
         # The launch check (atom_sglang.guard): the resolution step it wraps.
         "sglang.srt.arg_groups.resolution_hooks:register_resolution_hook",
         "sglang.srt.arg_groups.platform_hook:handle_hardware_runtime_validation",
@@ -38,6 +42,31 @@ import atom_sglang
 )
 def test_sglang_names_the_patches_rely_on_exist(name):
     assert pkgutil.resolve_name(name) is not None
+
+
+def test_served_sparse_models_skip_sglang_dsa_path_and_widen_mla_rows():
+    """Changes 9 and 10 for a DeepSeek-V3.2 config ATOM serves: SGLang's DSA test says no
+    (so its plain MLA pool and ATOM's backend serve it) and the MLA row grows by the
+    indexer key; an architecture ATOM does not serve keeps SGLang's answers."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    from atom.testing import tiny_config
+    from atom_sglang.patches import not_sglang_dsa, rows_with_indexer_keys
+
+    config = tiny_config("DeepseekV32ForCausalLM")
+    assert is_deepseek_dsa(config)
+    assert not not_sglang_dsa(["DeepseekV32ForCausalLM"])(is_deepseek_dsa, config)
+    assert not_sglang_dsa(["GlmMoeDsaForCausalLM"])(is_deepseek_dsa, config)
+
+    def model_config():
+        return SimpleNamespace(hf_config=config, hf_text_config=config, kv_lora_rank=64)
+
+    widened, kept = model_config(), model_config()
+    rows_with_indexer_keys(["DeepseekV32ForCausalLM"])(None, widened)
+    rows_with_indexer_keys(["DeepseekV3ForCausalLM"])(None, kept)
+    assert (widened.kv_lora_rank, kept.kv_lora_rank) == (64 + config.index_head_dim, 64)
 
 
 def gpt_oss_launch(checkpoints, backend: str):

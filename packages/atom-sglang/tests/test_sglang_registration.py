@@ -221,7 +221,7 @@ def test_every_sglang_capable_registry_entry_gets_the_adapter_of_its_attention_k
     for entry in sglang_entries:
         adapter = adapter_for(entry)
         assert (adapter.attention, adapter.kv_pool) == (entry.attention, entry.attention.lower())
-    assert set(atom_sglang.served_architectures()) <= {e.architecture for e in sglang_entries}
+    assert set(atom_sglang.served_architectures()) <= {n for e in sglang_entries for n in e.names}
 
 
 def test_adapters_declare_pool_and_attention_kind():

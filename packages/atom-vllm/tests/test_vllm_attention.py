@@ -174,9 +174,10 @@ def test_mla_backend_declares_latent_cache():
 
 
 def test_impls_satisfy_atoms_protocols():
-    from atom.layers.attention_impl import AttentionImpl, MLAImpl
+    from atom.layers.attention_impl import AttentionImpl, MLAImpl, SparseMLAImpl
     from atom.testing.contract import contract_problems
     from atom_vllm.attention_layer import VllmAttention, VllmMLAAttention
 
     assert contract_problems(VllmAttention, AttentionImpl) == []
     assert contract_problems(VllmMLAAttention, MLAImpl) == []
+    assert contract_problems(VllmMLAAttention, SparseMLAImpl) == []

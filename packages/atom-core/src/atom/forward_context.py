@@ -96,6 +96,15 @@ class AttentionMetadata:
             self._group_views[group] = view
         return view
 
+    def begin_forward(self) -> None:
+        """Drops what earlier forwards derived from this object's tensors (the token bounds,
+        the group views), so the forward about to run derives it again from their current
+        contents. A host that reuses one object over static buffers (CUDA-graph warm-up,
+        then capture, then replays) thus records those ops in the captured graph instead
+        of baking in the warm-up batch's values."""
+        self.__dict__.pop("query_token_bounds", None)
+        self._group_views.clear()
+
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
@@ -216,6 +225,8 @@ def set_forward_context(
     global _current
     if attn_metadata is not None and host_attention is not None:
         raise ValueError("a step is attended by ATOM's impls or by the host's, not both")
+    if attn_metadata is not None:
+        attn_metadata.begin_forward()
     previous = _current
     _current = ForwardContext(attn_metadata=attn_metadata, host_attention=host_attention)
     try:

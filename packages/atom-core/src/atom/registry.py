@@ -30,6 +30,13 @@ class ModelEntry:
     # Keeps per-request state besides the KV cache (Gated DeltaNet layers): hosts must
     # give it their state manager (docs/architecture.md, "Hybrid models").
     hybrid: bool = False
+    # Other `architectures` names that checkpoints of this model carry (a release's own
+    # name where transformers spells it differently); hosts register them too.
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.architecture, *self.aliases)
 
     def __post_init__(self) -> None:
         if self.quant is None:
@@ -79,7 +86,7 @@ _ENTRIES = (
         attention="MLA",
         moe=True,
     ),
-    # DeepSeek Sparse Attention (MLA + lightning indexer): the native engine so far.
+    # DeepSeek Sparse Attention (MLA + lightning indexer).
     ModelEntry(
         "DeepseekV32ForCausalLM",
         "deepseek_v32",
@@ -87,7 +94,7 @@ _ENTRIES = (
         "DeepSeek-V3.2",
         attention="MLA",
         moe=True,
-        hosts=("atom",),
+        hosts=("atom", "vllm", "sglang"),
     ),
     ModelEntry(
         "GlmMoeDsaForCausalLM",
@@ -96,8 +103,10 @@ _ENTRIES = (
         "GLM-5",
         attention="MLA",
         moe=True,
-        hosts=("atom",),
+        hosts=("atom", "vllm", "sglang"),
     ),
+    # transformers' name; the released checkpoints (Moonshot's remote code) and vLLM's and
+    # SGLang's own classes spell it without the underscore.
     ModelEntry(
         "Kimi_K25ForConditionalGeneration",
         "kimi_k25",
@@ -105,7 +114,8 @@ _ENTRIES = (
         "Kimi-K2.5 (the text model of the multimodal checkpoints)",
         attention="MLA",
         moe=True,
-        hosts=("atom",),
+        hosts=("atom", "vllm", "sglang"),
+        aliases=("KimiK25ForConditionalGeneration",),
     ),
     ModelEntry(
         "Glm4MoeForCausalLM",
@@ -177,7 +187,7 @@ _ENTRIES = (
     ),
 )
 
-_BY_ARCH = {entry.architecture: entry for entry in _ENTRIES}
+_BY_ARCH = {name: entry for entry in _ENTRIES for name in entry.names}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -189,7 +199,8 @@ def all_models() -> list[ModelEntry]:
 
 
 def supported_architectures(host: str | None = None) -> list[str]:
-    return [e.architecture for e in _ENTRIES if host is None or host in e.hosts]
+    """Every `architectures` name ATOM runs (on `host`), aliases included."""
+    return [name for e in _ENTRIES if host is None or host in e.hosts for name in e.names]
 
 
 def get_entry(architecture: str) -> ModelEntry:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from atom.registry import all_models, get_entry, resolve_model_class, supported_architectures
 from atom.testing import tiny_config, write_checkpoint
 from atom.testing.hf_references import skip_without_hf_reference
 from tests.models.harness import check_against_hf
@@ -21,3 +22,15 @@ def test_text_model_matches_hf_and_skips_the_vision_parts(tmp_path, caplog):
     ]
     assert line.startswith("KimiK25ForCausalLM: skipped the checkpoint's mm_projector (")
     assert "vision_tower (" in line
+
+
+def test_released_checkpoints_name_is_the_same_entry():
+    """Moonshot's checkpoints (and vLLM's / SGLang's classes) say
+    KimiK25ForConditionalGeneration; transformers says Kimi_K25ForConditionalGeneration."""
+    released = "KimiK25ForConditionalGeneration"
+    entry = get_entry(ARCHITECTURE)
+    assert get_entry(released) is entry and released in entry.names
+    assert resolve_model_class([released])[1] is entry
+    for host in entry.hosts:
+        assert {ARCHITECTURE, released} <= set(supported_architectures(host))
+    assert len(all_models()) == len({e.architecture for e in all_models()})

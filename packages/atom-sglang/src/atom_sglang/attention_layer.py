@@ -15,7 +15,11 @@ over its layer's buffers in the pool, reading only that metadata:
   norm + rotary and writes the cache).
 * MLA (DeepSeek): `forward(q_nope, q_pe, kv_c, k_pe) -> [T,H,Dv]`: ATOM's MLA step
   (`atom.layers.mla_impl.NativeMLAImpl.attend`, as natively and in vLLM: latent cache
-  write, absorbed decode, up-projected prefill).
+  write, absorbed decode, up-projected prefill). A DeepSeek Sparse Attention layer also
+  runs `select_tokens` (indexer key write + top-k) and `attend_selected` (MLA over the
+  selected slots): its indexer keys sit in the same pool rows, after latent and rope
+  (the rows are that wide: `atom_sglang.patches`, change 10), and the impl gets the
+  row's column views each step.
 
 Under another backend (SGLang's own) the metadata is not ATOM's to build: the wrapper
 puts the step's `HostAttention` into ATOM's forward context instead (SGLang's backend with
@@ -183,6 +187,8 @@ class SglangMLAAttention(nn.Module, PoolBinding):
             prefix=spec.layer_name,
         )
         self.impl = NativeMLAImpl(spec)
+        # The widths of the impl's cache tensors (latents, indexer keys) in one pool row.
+        self.row_widths = [shape[-1] for shape in self.impl.kv_cache_shapes(1, 1)]
 
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
@@ -197,8 +203,42 @@ class SglangMLAAttention(nn.Module, PoolBinding):
 
             return self.impl.attend_through(q_nope, q_pe, kv_c, k_pe, sglang_latent_attention)
         metadata = step_metadata(context, self.kv_group)
-        kv_cache = mla_cache(self.pool(), self.attn.layer_id, self.page_size)
+        (kv_cache, *_) = self._bind_step_caches()
         return self.impl.attend(q_nope, q_pe, kv_c, k_pe, kv_cache, metadata)
+
+    def select_tokens(self, index: Any) -> torch.Tensor:
+        self._bind_step_caches()
+        return self.impl.select_tokens(index)
+
+    def attend_selected(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        topk_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        self._bind_step_caches()  # a layer reusing another's selection did not select
+        return self.impl.attend_selected(q_nope, q_pe, kv_c, k_pe, topk_slots)
+
+    def _bind_step_caches(self) -> list[torch.Tensor]:
+        """This layer's pool rows as the impl's caches (latents, then indexer keys), bound
+        to the impl for this step (the pool's getter may wait for a layer-wise load)."""
+        if get_forward_context().host_attention is not None and self.spec.index_topk:
+            raise NotImplementedError(
+                f"{self.layer_name}: ATOM's sparse attention in SGLang runs on ATOM's "
+                "attention backend (attention_backend='atom')"
+            )
+        rows = mla_cache(self.pool(), self.attn.layer_id, self.page_size)
+        needed = sum(self.row_widths)
+        if rows.shape[-1] < needed:
+            raise RuntimeError(
+                f"{self.layer_name}: SGLang's MLA pool rows hold {rows.shape[-1]} channels, "
+                f"ATOM's layer keeps {needed} ({self.row_widths}: latents, indexer keys)"
+            )
+        caches = list(rows[..., :needed].split(self.row_widths, dim=-1))
+        self.impl.bind_kv_cache(caches, self.kv_group)
+        return caches
 
 
 LAYER_FOR_ATTENTION = {"MHA": SglangAttention, "MLA": SglangMLAAttention}

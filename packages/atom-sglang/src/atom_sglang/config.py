@@ -32,9 +32,11 @@ class UnsupportedSglangFeature(NotImplementedError):
 
 
 def atom_model_config(config: Any) -> Any:
-    """`config` with the checkpoint's sizes where SGLang padded them (`CPU_PADDED_SIZES`);
-    `config` itself when nothing was padded. A copy, because SGLang's own code (its
+    """The text model's config (a multimodal checkpoint's `text_config`: ATOM runs text
+    models) with the checkpoint's sizes where SGLang padded them (`CPU_PADDED_SIZES`);
+    that config itself when nothing was padded. A copy, because SGLang's own code (its
     `LogitsProcessor`, MoE set-up) keeps reading the padded one."""
+    config = config.get_text_config()
     true_sizes = {
         name: getattr(config, f"original_{name}")
         for name in CPU_PADDED_SIZES

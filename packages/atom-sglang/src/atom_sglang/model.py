@@ -38,6 +38,7 @@ from torch import nn
 
 from atom.cuda_graphs import graph_blockers
 from atom.forward_context import HostAttention, set_forward_context
+from atom.hosts.cache_bytes import bytes_per_token_line, mla_bytes_per_token
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
 from atom.layers.gated_delta_net import state_backend
@@ -48,6 +49,7 @@ from atom_sglang.adapters import SglangAdapter, adapter_for
 from atom_sglang.attention_layer import (
     LAYER_FOR_ATTENTION,
     SglangAttention,
+    SglangMLAAttention,
     sglang_attention_factory,
 )
 from atom_sglang.backend import AtomAttnBackend, atom_backend_of
@@ -135,6 +137,12 @@ class AtomForCausalLM(nn.Module):
             torch.get_default_dtype(),
             f", quant={atom_quant.name}" if atom_quant is not None else "",
         )
+        mla = [m.impl for m in atom_model.modules() if isinstance(m, SglangMLAAttention)]
+        parts = mla_bytes_per_token(mla, torch.get_default_dtype())
+        if len(parts) > 1:  # sparse attention: the indexer keys share the latents' rows
+            logger.info(
+                "ATOM %s KV cache: %s", self.entry.architecture, bytes_per_token_line(parts)
+            )
 
     @property
     def model(self) -> nn.Module:

@@ -1,6 +1,6 @@
 """Every change atom-sglang makes to SGLang's behaviour, every write into SGLang's state and
 every private SGLang name it reads; each says why, what, where it was checked, and when it
-can go (changes 1-4, then writes and reads 5-8). Changes 2 and 3 go through SGLang's own
+can go (changes 1-4, writes and reads 5-8, changes 9-10 for DeepSeek Sparse Attention). Changes 2 and 3 go through SGLang's own
 API for changing the resolved configuration after it was published
 (`runtime_context.get_context().override`), with SGLang's own `with_phase` copy of the
 CUDA-graph config; change 4 through its API for wrapping a step of argument resolution
@@ -103,6 +103,40 @@ metadata to the model's forward.
 record of which CUDA-graph sizes the user chose. What: read, never written. Checked on
 SGLang 0.5.21 (`arg_groups/cuda_graph_hook.py` fills it). Remove when: SGLang exposes
 the user's choices, or change 3 goes.
+
+9. SGLang's DSA path off for the sparse-attention models ATOM serves (`not_sglang_dsa`, a
+HookRegistry AROUND hook on `sglang.srt.configs.model_config.is_deepseek_dsa`).
+Why: SGLang routes a checkpoint whose architecture is DeepSeek-V3.2 / GLM-5 (with
+`index_topk`) through its own DSA machinery: argument resolution calls
+`torch.cuda.get_device_capability()` on every platform but NPU and XPU (so its CPU
+engine stops: "Torch not compiled with CUDA enabled"), sets page size 64, the "dsa"
+backend and an fp8 KV cache, and the pool becomes a `DSATokenToKVPool` (fp8 latents,
+bf16 rope, fp8 indexer keys with block scales), which only SGLang's DSA kernels read.
+ATOM's model attends with ATOM's backend over SGLang's plain MLA pool, its indexer keys
+in the same rows (change 10). What: `is_deepseek_dsa(config)` answers False for a
+config whose first architecture ATOM serves; every other model, and every model while
+the plugin is off or in backend-only mode, gets SGLang's answer. SGLang's HookRegistry
+also rebinds the modules that imported the function by name. Checked on SGLang 0.5.21
+(its CPU engine end to end, `test_sglang_sparse.py`; the DSA branches of
+`arg_groups/model_hook.py`, `mem_cache/kv_cache_configurator.py` and
+`model_executor/pool_configurator.py` all ask this function). Remove when: SGLang lets a
+model declare its own KV layout, or ATOM's kernels read SGLang's DSA pool.
+
+10. The MLA pool's rows hold ATOM's indexer keys (`rows_with_indexer_keys`, a
+HookRegistry AFTER hook on `ModelConfig._derive_model_shapes`, a private method).
+Why: ATOM keeps a sparse layer's indexer keys beside its latents, in the same pages and
+slots (the indexer's selection is slots that sparse MLA reads as latent rows), as it
+does natively and in vLLM; SGLang sizes its MLA pool rows, and its memory budget per
+token, from `ModelConfig.kv_lora_rank + qk_rope_head_dim`. What: for a config whose
+architecture ATOM serves and that has `index_topk`, `kv_lora_rank` grows by
+`index_head_dim` after SGLang derived it, so each pool row holds latent + rope +
+indexer key and SGLang counts those bytes; ATOM's layers split the row
+(`SglangMLAAttention`). Only SGLang's own MLA backends would read `kv_lora_rank` as the
+latent width, and ATOM's sparse layers refuse them. GLM-5's layers that reuse another
+layer's selection leave the key columns unused (one pool width for every layer).
+Checked on SGLang 0.5.21 (`_build_mla_kv_pool` and the cell size of
+`pool_configurator.py` read only `kv_lora_rank` and `qk_rope_head_dim` for a non-DSA
+MLA model). Remove when: SGLang's MLA pool takes a per-token width from the model.
 """
 
 from __future__ import annotations
@@ -120,6 +154,46 @@ MODEL_STEP = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments
 # SGLang's backends with both, which the step accepts on every device).
 SINKS_AND_WINDOW_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
 SINKS_AND_WINDOW_STAND_IN = "triton"
+IS_DEEPSEEK_DSA = "sglang.srt.configs.model_config.is_deepseek_dsa"  # change 9
+MODEL_SHAPES = "sglang.srt.configs.model_config.ModelConfig._derive_model_shapes"  # change 10
+
+
+def first_architecture(config: Any) -> str | None:
+    """The first `architectures` name of an HF config object or dict (SGLang passes both)."""
+    names = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        names = getattr(config, "architectures", None)
+    return names[0] if names else None
+
+
+def not_sglang_dsa(served: Iterable[str]) -> Callable[..., bool]:
+    """Change 9: `is_deepseek_dsa` answering False for the architectures ATOM `served`."""
+    served = frozenset(served)
+
+    def is_deepseek_dsa(original, config) -> bool:
+        return first_architecture(config) not in served and original(config)
+
+    return is_deepseek_dsa
+
+
+def indexer_key_width(config: Any) -> int:
+    """Channels per token a sparse-attention config's indexer keys take (0: none)."""
+    if getattr(config, "index_topk", None) is None:
+        return 0
+    return getattr(config, "index_head_dim", 0) or 0
+
+
+def rows_with_indexer_keys(served: Iterable[str]) -> Callable[..., None]:
+    """Change 10: widens SGLang's MLA row by the indexer keys of an ATOM-served model."""
+    served = frozenset(served)
+
+    def after_model_shapes(_result, model_config) -> None:
+        text = model_config.hf_text_config
+        width = indexer_key_width(text)
+        if width and first_architecture(model_config.hf_config) in served:
+            model_config.kv_lora_rank = text.kv_lora_rank + width
+
+    return after_model_shapes
 
 
 def _support_triton_on_cpu(original, backend: str) -> bool:
@@ -143,6 +217,10 @@ def apply_patches(served: Iterable[str]) -> list[str]:
     if is_cpu():
         HookRegistry.register(SUPPORT_TRITON, _support_triton_on_cpu, HookType.AROUND)
         patched.append(SUPPORT_TRITON)
+    if served:
+        HookRegistry.register(IS_DEEPSEEK_DSA, not_sglang_dsa(served), HookType.AROUND)
+        HookRegistry.register(MODEL_SHAPES, rows_with_indexer_keys(served), HookType.AFTER)
+        patched += [IS_DEEPSEEK_DSA, MODEL_SHAPES]
     return patched
 
 

@@ -15,13 +15,21 @@ and vLLM's CPU platform has no MLA backend ("MLA is not supported on CPU").
 `VllmMLAAttention` is a small layer of vLLM's `AttentionLayerBase` kind that
 
 * registers itself in vLLM's static forward context under ATOM's layer name;
-* declares an `MLAAttentionSpec` (one latent row of kv_lora_rank + rope dims per token),
-  so vLLM allocates, binds and zeroes a `[num_blocks, 1, block_size, L + R]` cache whose
-  one "head" is the `[num_blocks, block_size, L + R]` latent layout of ATOM's MLA kernels;
+* declares an `MLAAttentionSpec` whose one row per token holds every cache tensor of
+  ATOM's impl side by side: the latent (kv_lora_rank + rope dims) and, for a DeepSeek
+  Sparse Attention layer, its indexer key (index_head_dim). vLLM allocates, binds and
+  zeroes a `[num_blocks, 1, block_size, L + R (+ Di)]` cache, so the indexer keys are in
+  the latents' pages: counted in vLLM's page size, addressed by the same block table and
+  slot mapping (the indexer's selection is cache slots that sparse MLA reads as latent
+  rows), shared by prefix hits and freed with the request. (vLLM's own DeepSeek-V3.2
+  declares its indexer cache as a second layer of the same KV-cache group; one row keeps
+  ATOM's layer one vLLM layer, as it is natively.) `bind_kv_cache` hands the impl its
+  column views of that row;
 * names `AtomMLABackend`, whose builder is the MHA builder (same schema, decodes first);
 * runs ATOM's own `NativeMLAImpl` (`layer.impl`): latent cache write, absorbed decode,
-  up-projected prefill, with the step's metadata from ATOM's forward context (put there
-  by the model wrapper, `atom_vllm.step`).
+  up-projected prefill, and for sparse layers the indexer's key write + top-k and the
+  MLA over the selected rows (`select_tokens`, `attend_selected`), with the step's
+  metadata from ATOM's forward context (put there by the model wrapper, `atom_vllm.step`).
 
 The impl's W_UK / W_UV split runs with ATOM's other post-load hooks, from the model
 wrapper (`AtomForCausalLM._process_atom_weights`), in ATOM's module order.
@@ -117,7 +125,8 @@ class VllmAttention(nn.Module):
 
 
 class VllmMLAAttention(nn.Module, AttentionLayerBase):
-    """ATOM MLA impl contract: (q_nope, q_pe, kv_c, k_pe) -> [T, H, Dv]."""
+    """ATOM MLA impl contract: (q_nope, q_pe, kv_c, k_pe) -> [T, H, Dv]; for a sparse
+    spec also `select_tokens` and `attend_selected` (the `SparseMLAImpl` protocol)."""
 
     def __init__(self, spec: AttentionSpec, vllm_config: Any):
         nn.Module.__init__(self)
@@ -129,7 +138,10 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
         self.layer_name = spec.layer_name
         self.num_heads = spec.num_heads
         self.num_kv_heads = 1
-        self.head_size = spec.kv_lora_rank + spec.qk_rope_head_dim
+        self.impl = NativeMLAImpl(spec)  # ATOM's: kernels + W_UK/W_UV absorption
+        # The widths of the impl's cache tensors (latents, indexer keys), one row in vLLM.
+        self.row_widths = [shape[-1] for shape in self.impl.kv_cache_shapes(1, 1)]
+        self.head_size = sum(self.row_widths)
         self.kv_cache_dtype = cache_dtype
         self.kv_cache_torch_dtype = kv_cache_dtype_str_to_dtype(
             cache_dtype, vllm_config.model_config
@@ -137,11 +149,17 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
         # vLLM allocates an fp8 cache as uint8; ATOM's MLA kernels read float8_e4m3fn.
         self.fp8_cache = cache_dtype in FP8_CACHE_DTYPES
         self.attn_type = AttentionType.DECODER
-        self.impl = NativeMLAImpl(spec)  # ATOM's: kernels + W_UK/W_UV absorption
         self.kv_cache = torch.tensor([])  # bound by vLLM (bind_kv_cache)
-        self.kv_group = 0  # set by atom_vllm.step
         self.num_calls = 0
         register_layer(vllm_config, self.layer_name, self)
+
+    @property
+    def kv_group(self) -> int:
+        return self.impl.kv_group
+
+    @kv_group.setter
+    def kv_group(self, value: int) -> None:  # set by atom_vllm.step
+        self.impl.kv_group = value
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return AtomMLABackend
@@ -155,20 +173,49 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
             cache_dtype_str=self.kv_cache_dtype,
         )
 
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """vLLM's `[num_blocks, 1, block_size, row]` cache -> the impl's tensors, each
+        `[num_blocks, block_size, width]`: column views of the one "head" (ATOM's kernels
+        read the block and token strides)."""
+        self.kv_cache = kv_cache
+        rows = kv_cache[:, 0]
+        if self.fp8_cache:
+            rows = rows.view(FP8_KV_CACHE_DTYPE)
+        self.impl.bind_kv_cache(rows.split(self.row_widths, dim=-1), self.kv_group)
+
+    @staticmethod
+    def _profiling() -> bool:
+        # vLLM's profiling and dummy runs carry no metadata (and run before the cache).
+        return get_forward_context().attn_metadata is None
+
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
-        metadata = get_forward_context().attn_metadata
-        if metadata is None:  # profiling / dummy run: no cache, no metadata
+        if self._profiling():
             return q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.spec.v_head_dim)
         self.num_calls += 1
-        # vLLM binds a [num_blocks, 1, block_size, L + R] view: one latent "head".
-        kv_cache = self.kv_cache[:, 0]
-        if self.fp8_cache:
-            kv_cache = kv_cache.view(FP8_KV_CACHE_DTYPE)
-        return self.impl.attend(
-            q_nope, q_pe, kv_c, k_pe, kv_cache, metadata.for_kv_group(self.kv_group)
-        )
+        return self.impl(q_nope, q_pe, kv_c, k_pe)
+
+    def select_tokens(self, index: Any) -> torch.Tensor:
+        if self._profiling():
+            return torch.full(
+                (index.q.shape[0], self.spec.index_topk), -1, dtype=torch.int32,
+                device=index.q.device,
+            )  # fmt: skip
+        return self.impl.select_tokens(index)
+
+    def attend_selected(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        topk_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        if self._profiling():
+            return q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.spec.v_head_dim)
+        self.num_calls += 1
+        return self.impl.attend_selected(q_nope, q_pe, kv_c, k_pe, topk_slots)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_name!r}, backend=AtomMLABackend, impl=NativeMLAImpl"

@@ -1,8 +1,9 @@
 """Config bridge: what ATOM needs from a `VllmConfig`, read once, nothing vLLM-typed kept.
 
 ATOM model classes take `(hf_config, quant_config, prefix)`. vLLM already parsed the
-checkpoint's `config.json` into a transformers config, so that object is handed over
-as is (ATOM only reads it); the dtype comes from vLLM's model config and the
+checkpoint's `config.json` into a transformers config, so that object (a multimodal
+checkpoint's text config, as vLLM's `hf_text_config` gives it) is handed over as is
+(ATOM only reads it); the dtype comes from vLLM's model config and the
 quantization config is rebuilt by ATOM from the checkpoint's `quantization_config`.
 Features ATOM's wrapper does not implement fail here, with the way out.
 """
@@ -46,7 +47,7 @@ class AtomRunConfig:
     """The ATOM side of one vLLM model instance."""
 
     entry: ModelEntry
-    hf_config: Any  # transformers.PretrainedConfig, read-only
+    hf_config: Any  # transformers.PretrainedConfig, read-only: the text model's
     dtype: torch.dtype
     quant_config: QuantizationConfig | None
     tensor_parallel_size: int
@@ -90,7 +91,8 @@ def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
 
     return AtomRunConfig(
         entry=entry,
-        hf_config=hf_config,
+        # ATOM runs text models: a multimodal checkpoint's (Kimi-K2.5) is its text config.
+        hf_config=model_config.hf_text_config,
         dtype=model_config.dtype,
         quant_config=quant_config,
         tensor_parallel_size=parallel.tensor_parallel_size,

@@ -35,6 +35,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
 from atom.cuda_graphs import graph_blockers
+from atom.hosts.cache_bytes import bytes_per_token_line, mla_bytes_per_token
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
 from atom.layers.gated_delta_net import config_state_shapes, state_backend
@@ -115,6 +116,12 @@ class AtomForCausalLM(nn.Module):
             cfg.dtype,
             f", quant={cfg.quant_config.name}" if cfg.quant_config is not None else "",
         )
+        mla = [m for m in atom_model.modules() if isinstance(m, VllmMLAAttention)]
+        parts = (
+            mla_bytes_per_token((m.impl for m in mla), mla[0].kv_cache_torch_dtype) if mla else {}
+        )
+        if len(parts) > 1:  # sparse attention: the indexer keys share the latents' pages
+            logger.info("ATOM %s KV cache: %s", cfg.entry.architecture, bytes_per_token_line(parts))
 
     @property
     def model(self) -> nn.Module:

@@ -25,6 +25,32 @@ _QWEN3_COMMON = dict(
     rms_norm_eps=1e-6,
 )
 
+# What DeepSeek-V3.2 and Kimi-K2.5 keep from DeepSeek-V3's released config.
+_DEEPSEEK_V3_COMMON = dict(
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
+_DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -279,6 +305,92 @@ SHAPES = {
             },
             rms_norm_eps=1e-6,
             tie_word_embeddings=False,
+        ),
+    ),
+    # DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention (a 64-head indexer of
+    # 128 channels keeps the top 2048 tokens per query), YaRN as released. Every MoE layer
+    # holds 22.5 GB of bf16 experts: `deepseek-v3.2:5` (3 dense + 2 MoE layers, 53 GB of
+    # weights) fits one H100.
+    "deepseek-v3.2": Shape(
+        "deepseek-v3.2",
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(
+            _DEEPSEEK_V3_COMMON,
+            vocab_size=129280,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            n_routed_experts=256,
+            first_k_dense_replace=3,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            index_topk=2048,
+            index_n_heads=64,
+            index_head_dim=128,
+            max_position_embeddings=163840,
+            rope_parameters=dict(_DEEPSEEK_YARN, factor=40.0),
+            rms_norm_eps=1e-6,
+        ),
+    ),
+    # GLM-5 (GLM-MoE-DSA): DSA with a 32-head indexer whose rope pairs interleaved
+    # channels, wider heads (nope 192, v 256), 256 experts (top 8). `glm-5:5` (3 dense +
+    # 2 MoE layers, 46 GB) fits one H100.
+    "glm-5": Shape(
+        "glm-5",
+        "GlmMoeDsaConfig",
+        "GlmMoeDsaForCausalLM",
+        dict(
+            vocab_size=154880,
+            hidden_size=6144,
+            intermediate_size=12288,
+            moe_intermediate_size=2048,
+            num_hidden_layers=78,
+            num_attention_heads=64,
+            num_key_value_heads=64,
+            q_lora_rank=2048,
+            kv_lora_rank=512,
+            qk_nope_head_dim=192,
+            qk_rope_head_dim=64,
+            v_head_dim=256,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            first_k_dense_replace=3,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            index_topk=2048,
+            index_n_heads=32,
+            index_head_dim=128,
+            max_position_embeddings=202752,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Kimi-K2.5's text model (the speed of a step does not depend on the vision tower, so
+    # the shape is the DeepSeek-V3 text config its release nests): 64 heads, 384 experts
+    # (top 8), one dense layer. Every MoE layer holds 34 GB of bf16 experts:
+    # `kimi-k2.5:2` (1 dense + 1 MoE layer, 40 GB) fits one H100.
+    "kimi-k2.5": Shape(
+        "kimi-k2.5",
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            _DEEPSEEK_V3_COMMON,
+            vocab_size=163840,
+            num_attention_heads=64,
+            num_key_value_heads=64,
+            n_routed_experts=384,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.827,
+            max_position_embeddings=262144,
+            rope_parameters=dict(_DEEPSEEK_YARN, rope_theta=50000.0, factor=64.0),
+            rms_norm_eps=1e-5,
         ),
     ),
     # For tests and CPU smoke runs; tiny-gpt-oss has a 16-token window.

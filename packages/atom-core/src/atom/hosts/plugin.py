@@ -121,8 +121,8 @@ class PluginLog:
 def served_architectures(
     host: str, accepts: Callable[[ModelEntry], bool], logger: logging.Logger
 ) -> list[str]:
-    """Registry architectures marked for `host` that the plugin `accepts` and whose ATOM
-    module is installed."""
+    """Registry architectures marked for `host` (with their aliases) that the plugin
+    `accepts` and whose ATOM module is installed."""
     archs = []
     for entry in all_models():
         if host not in entry.hosts or not accepts(entry):
@@ -132,7 +132,7 @@ def served_architectures(
         except (ImportError, ValueError):
             available = False
         if available:
-            archs.append(entry.architecture)
+            archs.extend(entry.names)
         else:
             logger.debug("ATOM module %s for %s is not installed", entry.module, entry.architecture)
     return archs

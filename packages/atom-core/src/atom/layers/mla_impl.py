@@ -102,10 +102,18 @@ class NativeMLAImpl(nn.Module):
         if self.index_cache is None:
             raise RuntimeError(f"{self.spec.layer_name}: the layer keeps no indexer key cache")
         metadata = self._step()
-        write_indexer_keys(index.k, self.index_cache, metadata.slot_mapping)
-        return indexer_topk(
-            index.q, index.weights, self.index_cache, metadata, self.spec.index_topk
+        # A host may pad the batch past its metadata's tokens (vLLM's CUDA-graph batches):
+        # the padding rows write no key and select nothing.
+        n = metadata.num_tokens
+        write_indexer_keys(index.k[:n], self.index_cache, metadata.slot_mapping)
+        slots = torch.full(
+            (index.q.shape[0], self.spec.index_topk), -1, dtype=torch.int32, device=index.q.device
         )
+        indexer_topk(
+            index.q[:n], index.weights[:n], self.index_cache, metadata, self.spec.index_topk,
+            out=slots[:n],
+        )  # fmt: skip
+        return slots
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:

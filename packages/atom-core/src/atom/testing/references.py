@@ -20,11 +20,13 @@ def random_prompts(lengths: list[int], seed: int, vocab: int = VOCAB) -> list[li
 def hf_greedy(
     model_dir: str | Path, prompts: list[list[int]], max_tokens: int, device: str = "cpu"
 ) -> list[list[int]]:
-    """HF transformers' greedy continuation of each prompt, in fp32."""
+    """HF transformers' greedy continuation of each prompt, in fp32 (a multimodal
+    checkpoint's whole model where transformers has no causal LM for it: Kimi-K2.5)."""
     import torch
-    import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    from atom.testing.hf_references import hf_causal_lm_class
+
+    hf = hf_causal_lm_class(model_dir).from_pretrained(model_dir, dtype=torch.float32)
     hf = hf.to(device).eval()
     outputs = []
     with torch.inference_mode():

@@ -1,0 +1,32 @@
+"""What one token costs in a host's KV cache, by what ATOM's MLA impls keep there.
+
+A DeepSeek Sparse Attention layer keeps its indexer keys in the latents' pages, so a
+host that sizes its pages from ATOM's row (vLLM's spec, SGLang's pool) holds fewer
+tokens than for dense MLA; the plugins print the split at start-up, as the native engine
+does (atom.engine.kv_groups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from atom.layers.mla_impl import NativeMLAImpl
+
+
+def mla_bytes_per_token(impls: Iterable[NativeMLAImpl], dtype: torch.dtype) -> dict[str, int]:
+    """Bytes per token over all `impls` by what they hold ("MLA latents", "indexer keys")."""
+    element = torch.empty((), dtype=dtype).element_size()
+    parts: dict[str, int] = {}
+    for impl in impls:
+        widths = [shape[-1] for shape in impl.kv_cache_shapes(1, 1)]
+        for label, width in zip(impl.kv_cache_labels(), widths):
+            parts[label] = parts.get(label, 0) + width * element
+    return parts
+
+
+def bytes_per_token_line(parts: dict[str, int]) -> str:
+    """e.g. "224 B per token (160 B MLA latents + 64 B indexer keys)"."""
+    split = " + ".join(f"{size} B {label}" for label, size in parts.items())
+    return f"{sum(parts.values())} B per token ({split})"
