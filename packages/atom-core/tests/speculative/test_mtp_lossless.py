@@ -9,9 +9,9 @@ import logging
 import pytest
 
 from atom import LLM, SamplingParams
+from atom.testing.mtp_checkpoints import write_mtp_checkpoint
 from tests.engine.test_engine import assert_equal_up_to_float_rounding
 from tests.models.harness import make_prompts
-from tests.speculative.mtp_checkpoints import write_mtp_checkpoint
 
 
 def engine(folder, speculative: bool, **kwargs) -> LLM:
