@@ -157,20 +157,21 @@ class AtomForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads vLLM's checkpoint iterator into the ATOM model; returns loaded names."""
         loaded = self.atom.load_weights(take_kv_scales(self.atom, weights))
-        self._process_atom_weights()
+        process_atom_weights(self.atom)
         return {f"{ATOM_MODEL_ATTR}.{name}" for name in loaded}
 
-    def _process_atom_weights(self) -> None:
-        """ATOM's post-load hooks (e.g. FP8 re-layout, the MLA layers' W_UK / W_UV split),
-        in ATOM's module order, except inside vLLM's own `Attention` layers: vLLM processes
-        those itself, with its `act_dtype`. The MLA layers are ATOM's, so ATOM runs their
-        hooks here, in ATOM's module order (vLLM's loader calls an `AttentionLayerBase`'s
-        hook with an argument ATOM's layers do not take, and only after the quant hooks).
-        """
-        vllm_layers = [m for m in self.atom.modules() if isinstance(m, Attention)]
-        process_weights_after_loading(
-            self.atom, skip=[m for layer in vllm_layers for m in layer.modules()]
-        )
+
+def process_atom_weights(module: nn.Module) -> None:
+    """ATOM's post-load hooks (e.g. FP8 re-layout, the MLA layers' W_UK / W_UV split),
+    in ATOM's module order, except inside vLLM's own `Attention` layers: vLLM processes
+    those itself, with its `act_dtype`. The MLA layers are ATOM's, so ATOM runs their
+    hooks here, in ATOM's module order (vLLM's loader calls an `AttentionLayerBase`'s
+    hook with an argument ATOM's layers do not take, and only after the quant hooks).
+    """
+    vllm_layers = [m for m in module.modules() if isinstance(m, Attention)]
+    process_weights_after_loading(
+        module, skip=[m for layer in vllm_layers for m in layer.modules()]
+    )
 
 
 # vLLM's own names for the state cache dtypes ATOM's Gated DeltaNet ops can take.

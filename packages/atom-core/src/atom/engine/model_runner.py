@@ -49,7 +49,10 @@ def build_model(
         model = model_cls(config.hf_config, quant_config)
         if speculative is not None:
             model.drafter = MtpDrafter(
-                model, quant_config, MTP_RECYCLES_NORMED[config.entry.architecture]
+                config.hf_config,
+                model_cls.model_cls.decoder_layer,
+                quant_config,
+                MTP_RECYCLES_NORMED[config.entry.architecture],
             )
     load_model_weights(model, config.path, progress=progress)
     return model.eval()

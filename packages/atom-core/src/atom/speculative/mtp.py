@@ -59,12 +59,13 @@ class MtpDrafter(nn.Module):
     recycle_normed: the next draft reads the layer's normed output (DeepSeek-V3) or its
     raw output (GLM-4.5), as each family's reference implementation does."""
 
-    def __init__(self, target: nn.Module, quant_config, recycle_normed: bool):
+    def __init__(
+        self, config: Any, decoder_layer: type[nn.Module], quant_config, recycle_normed: bool
+    ):
+        """config: the target's; decoder_layer: the target's decoder layer class."""
         super().__init__()
-        config = target.config
         self.first_index = config.num_hidden_layers
         self.recycle_normed = recycle_normed
-        decoder_layer = target.model_cls.decoder_layer
         self.layers = nn.ModuleDict(
             {
                 str(i): MtpLayer(config, decoder_layer, quant_config, f"model.layers.{i}")
