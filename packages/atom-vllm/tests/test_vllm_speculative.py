@@ -31,7 +31,16 @@ model: it runs too, but costs an engine start of its own, so it is not repeated 
 from __future__ import annotations
 
 import pytest
-from vllm_harness import ENGINE, Job, native_greedy, result_of, rounds, run_jobs
+from vllm_harness import (
+    BLOCK_SIZE,
+    ENGINE,
+    PREFIX_BLOCKS,
+    Job,
+    native_greedy,
+    result_of,
+    rounds,
+    run_jobs,
+)
 
 from atom.testing import VOCAB
 from atom.testing.mtp_checkpoints import write_mtp_checkpoint
@@ -99,6 +108,11 @@ def test_greedy_tokens_with_speculation_equal_without(runs, checkpoints, name):
     for round_name, tokens in want.items():
         got = [r["token_ids"] for r in result.rounds[round_name]]
         assert got == tokens, f"{name} round {round_name!r}"
+    # The shared prefix came from the prefix cache, the drafter's K/V with it. With a
+    # drafter vLLM drops the last matched block, to recompute the hidden state the
+    # drafter reads there (v1/core/kv_cache_coordinator.py, `use_eagle`).
+    cached = [r["num_cached_tokens"] for r in result.rounds["prefix_reuse"]]
+    assert cached == [(PREFIX_BLOCKS - 1) * BLOCK_SIZE] * 3
     counts = result.spec_decode
     # Drafts were verified and accepted at every position: the verify rows ran.
     assert counts["num_draft_tokens"] > 0 and all(counts["num_accepted_tokens_per_pos"]), counts
