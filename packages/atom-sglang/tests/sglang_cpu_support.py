@@ -88,6 +88,13 @@ class _StubKernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+def is_stub(op) -> bool:
+    """Whether `op`, imported from `sgl_kernel`, is this stub's (calling it raises)."""
+    return getattr(op, "__module__", None) == __name__ and op.__qualname__.startswith(
+        "_StubKernelModule."
+    )
+
+
 def _define_torchvision_op_schemas() -> None:
     import torch
 

@@ -52,6 +52,7 @@ class JobResult:
     log: str
     wall_s: float
     init_s: float
+    spec_decode: dict[str, Any] | None = None
 
 
 class JobFailed(AssertionError):
@@ -99,7 +100,15 @@ def _run_job(job: Job, workdir: Path, core: int | None, timeout: float) -> JobRe
     if proc.returncode != 0 or not lines:
         raise JobFailed(f"vLLM job {job.name} failed (rc={proc.returncode}):\n{log[-6000:]}")
     data = json.loads(lines[-1][len(RESULT_TAG) :])
-    return JobResult(job.name, data["rounds"], data.get("probe"), log, wall, data["init_s"])
+    return JobResult(
+        job.name,
+        data["rounds"],
+        data.get("probe"),
+        log,
+        wall,
+        data["init_s"],
+        data.get("spec_decode"),
+    )
 
 
 def run_jobs(jobs: list[Job], workdir: Path, timeout: float = 600) -> dict[str, JobResult]:
@@ -170,9 +179,11 @@ def rounds(seed: int) -> list[dict]:
     ]
 
 
-def native_greedy(model: Path, rounds_: list[dict], **engine: Any) -> dict[str, list[list[int]]]:
+def native_greedy(
+    model: Path, rounds_: list[dict], max_tokens: int = 8, **engine: Any
+) -> dict[str, list[list[int]]]:
     """ATOM's native engine's greedy tokens for each round (fp32, the jobs' block size and
-    KV budget, 8 tokens as the jobs generate)."""
+    KV budget, `max_tokens` as the jobs generate)."""
     from atom import LLM, SamplingParams
 
     llm = LLM(
@@ -183,7 +194,7 @@ def native_greedy(model: Path, rounds_: list[dict], **engine: Any) -> dict[str, 
         skip_tokenizer_init=True,
         **engine,
     )
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return {
         spec["name"]: [
             list(o.outputs[0].token_ids)

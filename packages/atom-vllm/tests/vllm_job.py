@@ -7,7 +7,8 @@ configuration, because an engine start costs 20-45 s here). The job file holds:
      "rounds": [{"name": str, "prompts": [[token ids], ...]}, ...]}
 
 The result line is `ATOM_JOB_RESULT {...}` with, per round, each prompt's generated
-token ids and `num_cached_tokens`, and (with "probe") what each worker actually built
+token ids and `num_cached_tokens`, vLLM's speculative-decoding counters (`spec_decode`,
+engines with `disable_log_stats=False` only), and (with "probe") what each worker actually built
 (`atom_vllm.report.describe_model` through `LLM.apply_model`, which needs
 VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the environment).
 """
@@ -48,6 +49,12 @@ def main(job_path: str) -> None:
             for o in outputs
         ]
     result = {"rounds": rounds, "init_s": init_s, "generate_s": generate_s}
+    if not job["engine"].get("disable_log_stats", True):
+        result["spec_decode"] = {
+            m.name.removeprefix("vllm:spec_decode_"): getattr(m, "values", None) or m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_")
+        }
     if job.get("probe"):
         from atom_vllm.report import describe_model
 

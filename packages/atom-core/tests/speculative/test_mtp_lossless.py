@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from atom import LLM, SamplingParams
+from atom.testing.mtp_checkpoints import write_mtp_checkpoint
 from tests.engine.test_engine import assert_equal_up_to_float_rounding
-from tests.speculative.mtp_checkpoints import write_mtp_checkpoint
 from tests.speculative.workload import prompts, run
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from atom import LLM
 from atom.config import ConfigError
+from atom.testing.mtp_checkpoints import CONFIGS, write_mtp_checkpoint
 from atom.testing.tiny_configs import tiny_config, write_checkpoint
-from tests.speculative.mtp_checkpoints import CONFIGS, write_mtp_checkpoint
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 

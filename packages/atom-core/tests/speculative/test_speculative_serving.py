@@ -8,9 +8,9 @@ import pytest
 
 from atom import LLM, SamplingParams
 from atom.cli import main
+from atom.testing.mtp_checkpoints import write_mtp_checkpoint
 from tests.server.byte_level_model import VOCAB_SIZE, build_tokenizer
 from tests.server.server_process import MODEL, running_server, scrape_metrics
-from tests.speculative.mtp_checkpoints import write_mtp_checkpoint
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}
 PROMPT = "The quick brown fox jumps"

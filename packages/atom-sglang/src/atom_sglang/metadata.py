@@ -18,6 +18,10 @@ and adds to the same object what the step's layers need besides:
   (`atom.hosts.state.with_state_slots`).
 * the step's `positions`.
 
+A speculative verify step (TARGET_VERIFY: each request's last token and its chain of
+drafts, `verify_row_length`) is the same schema: extend rows over the cached context,
+whose seq_lens count the drafts (SGLang's stop before them). It brings no new field.
+
 CUDA graphs (decode): `init_graph_buffers` allocates static buffers (with a hybrid SWA
 pool, translated copies of the block table and slot mapping too); `build_for_graph`
 refills them from the (padded) batch before capture and before every replay, so the
@@ -69,6 +73,22 @@ def sliding_tables(
     )
 
 
+def verify_row_length(spec_info: Any) -> int:
+    """Tokens per request in a speculative verify step (SGLang's TARGET_VERIFY): the last
+    accepted token and its drafts. ATOM's schema carries them as extend rows over the
+    request's cached context, causally masked: the visibility of a chain of drafts
+    (`tree_topk == 1`: EAGLE / NEXTN with speculative_eagle_topk=1). A token tree (EAGLE
+    topk > 1, NGRAM) lets a draft see only its ancestors, a mask ATOM's kernels do not take.
+    """
+    if spec_info.tree_topk != 1:
+        raise NotImplementedError(
+            "ATOM's attention backend verifies chains of drafts only (EAGLE / NEXTN with "
+            f"speculative_eagle_topk=1); this step's drafts form a tree ({type(spec_info).__name__}, "
+            f"tree_topk={spec_info.tree_topk})"
+        )
+    return spec_info.draft_token_num
+
+
 class SglangMetadataBuilder:
     """ATOM's step metadata from SGLang's batches, for one model runner's pools."""
 
@@ -97,20 +117,36 @@ class SglangMetadataBuilder:
         mode = forward_batch.forward_mode
         if mode.is_idle():
             return None
-        if mode.is_target_verify() or mode.is_draft_extend_v2():
-            raise NotImplementedError("ATOM's attention backend has no speculative decoding")
+        if mode.is_draft_extend_v2():
+            raise NotImplementedError(
+                "ATOM's attention backend does not run SGLang's draft models: name one of "
+                "SGLang's own with speculative_draft_attention_backend"
+            )
         bs = forward_batch.batch_size
-        if mode.is_decode():
-            query_lens = torch.ones(bs, dtype=torch.int32, device=forward_batch.seq_lens.device)
+        device = forward_batch.seq_lens.device
+        seq_lens, seq_lens_cpu = forward_batch.seq_lens, forward_batch.seq_lens_cpu
+        if mode.is_target_verify():
+            if self.has_state_pool:
+                raise NotImplementedError(
+                    "ATOM's Gated DeltaNet layers in SGLang keep one state per request, not "
+                    "one per draft token: no speculative decoding"
+                )
+            # SGLang's seq_lens stop before the drafts; ATOM's count the step's tokens.
+            tokens = verify_row_length(forward_batch.spec_info)
+            query_lens = torch.full((bs,), tokens, dtype=torch.int32, device=device)
+            query_lens_cpu = torch.full((bs,), tokens, dtype=torch.int32)
+            seq_lens = seq_lens + tokens
+            seq_lens_cpu = seq_lens_cpu + tokens if seq_lens_cpu is not None else None
+        elif mode.is_decode():
+            query_lens = torch.ones(bs, dtype=torch.int32, device=device)
             query_lens_cpu = torch.ones(bs, dtype=torch.int32)
         else:
             query_lens = forward_batch.extend_seq_lens
             query_lens_cpu = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int32)
-        seq_lens_cpu = forward_batch.seq_lens_cpu
         metadata = metadata_from_token_table(
             self.req_to_token,
             forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
+            seq_lens,
             query_lens,
             forward_batch.out_cache_loc,
             self.page_size,
@@ -131,7 +167,7 @@ class SglangMetadataBuilder:
             metadata = with_state_slots(
                 metadata,
                 self.req_to_token_pool.get_mamba_indices(rows),
-                forward_batch.seq_lens[:bs] - query_lens,
+                seq_lens[:bs] - query_lens,
             )
         return metadata
 

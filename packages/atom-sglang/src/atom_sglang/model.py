@@ -151,6 +151,10 @@ class AtomForCausalLM(nn.Module):
     def get_input_embeddings(self) -> nn.Module:
         return self.model.model.embed_tokens
 
+    def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights SGLang's EAGLE / NEXTN workers share with their draft model."""
+        return self.model.model.embed_tokens.weight, self.model.lm_head.weight
+
     def get_attention_sliding_window_size(self) -> int | None:
         """The window SGLang's hybrid SWA pool keeps (SGLang asks its models for it): the
         sliding layers' RadixAttention window, in SGLang's convention (w + 1 keys), as its

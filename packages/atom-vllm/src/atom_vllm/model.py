@@ -124,15 +124,21 @@ class AtomForCausalLM(nn.Module):
             logger.info("ATOM %s KV cache: %s", cfg.entry.architecture, bytes_per_token_line(parts))
 
     @property
-    def model(self) -> nn.Module:
+    def atom(self) -> nn.Module:
+        """The ATOM causal LM this wrapper serves."""
         return getattr(self, ATOM_MODEL_ATTR)
 
+    @property
+    def model(self) -> nn.Module:
+        """The ATOM model's decoder stack, under the name vLLM's models give theirs: vLLM's
+        speculative proposers share the target's `model.embed_tokens` with an MTP drafter."""
+        return self.atom.model
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        model = self.model
-        embed = getattr(model, "embed_input_ids", None)
+        embed = getattr(self.atom, "embed_input_ids", None)
         if callable(embed):
             return embed(input_ids)
-        return model.model.embed_tokens(input_ids)
+        return self.model.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -150,28 +156,29 @@ class AtomForCausalLM(nn.Module):
                 "(prompt embeddings / multimodal inputs)"
             )
         with self.step_bridge.step(positions):
-            return self.model(input_ids, positions)
+            return self.atom(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden_states)
+        return self.atom.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads vLLM's checkpoint iterator into the ATOM model; returns loaded names."""
-        loaded = self.model.load_weights(take_kv_scales(self.model, weights))
-        self._process_atom_weights()
+        loaded = self.atom.load_weights(take_kv_scales(self.atom, weights))
+        process_atom_weights(self.atom)
         return {f"{ATOM_MODEL_ATTR}.{name}" for name in loaded}
 
-    def _process_atom_weights(self) -> None:
-        """ATOM's post-load hooks (e.g. FP8 re-layout, the MLA layers' W_UK / W_UV split),
-        in ATOM's module order, except inside vLLM's own `Attention` layers: vLLM processes
-        those itself, with its `act_dtype`. The MLA layers are ATOM's, so ATOM runs their
-        hooks here, in ATOM's module order (vLLM's loader calls an `AttentionLayerBase`'s
-        hook with an argument ATOM's layers do not take, and only after the quant hooks).
-        """
-        vllm_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        process_weights_after_loading(
-            self.model, skip=[m for layer in vllm_layers for m in layer.modules()]
-        )
+
+def process_atom_weights(module: nn.Module) -> None:
+    """ATOM's post-load hooks (e.g. FP8 re-layout, the MLA layers' W_UK / W_UV split),
+    in ATOM's module order, except inside vLLM's own `Attention` layers: vLLM processes
+    those itself, with its `act_dtype`. The MLA layers are ATOM's, so ATOM runs their
+    hooks here, in ATOM's module order (vLLM's loader calls an `AttentionLayerBase`'s
+    hook with an argument ATOM's layers do not take, and only after the quant hooks).
+    """
+    vllm_layers = [m for m in module.modules() if isinstance(m, Attention)]
+    process_weights_after_loading(
+        module, skip=[m for layer in vllm_layers for m in layer.modules()]
+    )
 
 
 # vLLM's own names for the state cache dtypes ATOM's Gated DeltaNet ops can take.

@@ -51,7 +51,11 @@ def build_model(
         model = model_cls(config.hf_config, quant_config)
         if mtp:  # its weights are the target checkpoint's
             model.drafter = MtpDrafter(
-                model, quant_config, MTP_RECYCLES_NORMED[config.entry.architecture]
+                config.hf_config,
+                model_cls.model_cls.decoder_layer,
+                quant_config,
+                MTP_RECYCLES_NORMED[config.entry.architecture],
+                embed=model.model.embed_tokens.forward,
             )
     load_model_weights(model, config.path, progress=progress)
     if speculative is not None and not mtp:

@@ -14,7 +14,7 @@ reference implementation norms it). Position 0 sees a zero embedding, as in vLLM
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +49,9 @@ class MtpLayer(nn.Module):
         hidden, residual = self.mtp_block(positions, self.eh_proj(joined), None)
         return hidden + residual
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(hidden))
+
 
 class MtpDrafter(nn.Module):
     """The checkpoint's MTP layers; draft step j runs layer j modulo their number.
@@ -56,13 +59,20 @@ class MtpDrafter(nn.Module):
     recycle_normed: the next draft reads the layer's normed output (DeepSeek-V3) or its
     raw output (GLM-4.5), as each family's reference implementation does."""
 
-    def __init__(self, target: nn.Module, quant_config, recycle_normed: bool):
+    def __init__(
+        self,
+        config: Any,
+        decoder_layer: type[nn.Module],
+        quant_config,
+        recycle_normed: bool,
+        embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        """config: the target's; decoder_layer: the target's decoder layer class; embed:
+        the target's embedding (the checkpoint's copy in each MTP layer is the same)."""
         super().__init__()
-        config = target.config
-        self.embed = target.model.embed_tokens.forward  # the checkpoint's copy is the same
+        self.embed = embed
         self.first_index = config.num_hidden_layers
         self.recycle_normed = recycle_normed
-        decoder_layer = target.model_cls.decoder_layer
         self.layers = nn.ModuleDict(
             {
                 str(i): MtpLayer(config, decoder_layer, quant_config, f"model.layers.{i}")

@@ -1,8 +1,9 @@
 """Test support for ATOM and the host plugins' test suites (like `torch.testing`).
 
 `atom.testing.tiny_configs` makes tiny random HF configs and checkpoints;
-`atom.testing.references` gives random prompts and HF greedy tokens; `atom.testing.servers`
-waits for a server a test started. Nothing here imports a host,
+`atom.testing.references` gives random prompts and HF greedy tokens;
+`atom.testing.mtp_checkpoints` writes checkpoints with an MTP drafter (speculative
+decoding, native engine and hosts); `atom.testing.servers` waits for a server a test started. Nothing here imports a host,
 and torch / transformers are imported only when a checkpoint is made.
 """
 

@@ -1,4 +1,5 @@
-"""Tiny DeepSeek-V3 and GLM-4.5 checkpoints with an MTP layer, written by the tests.
+"""Tiny DeepSeek-V3 and GLM-4.5 checkpoints with an MTP layer, for the native engine's and
+the host plugins' speculative-decoding tests.
 
 HF transformers does not run MTP layers, so these are built from a checkpoint of one
 more decoder layer: its last layer becomes the MTP layer's decoder block, and enorm,
