@@ -18,6 +18,7 @@ CASES = {
 }
 
 
+@pytest.mark.usefixtures("hf_v2_group_limited_greedy")
 @pytest.mark.parametrize("name", list(CASES))
 def test_expert_parallel_engine_greedy_matches_hf(tmp_path, name):
     folder = write_with_random_vectors(CASES[name], tmp_path)

@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV2Config, DeepseekV3Config
-from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 
 from atom.testing import DEEPSEEK_YARN_ROPE, tiny_config, tiny_fields
 from tests.models.harness import check_against_hf, check_greedy_generation, write_checkpoint
@@ -65,15 +64,7 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def hf_group_limited_greedy(monkeypatch):
-    """HF 5.12's V2 group_limited_greedy reads a `num_experts` it never sets."""
-    monkeypatch.setattr(
-        DeepseekV2Moe,
-        "num_experts",
-        property(lambda moe: moe.config.n_routed_experts),
-        raising=False,
-    )
+pytestmark = pytest.mark.usefixtures("hf_v2_group_limited_greedy")
 
 
 def randomize_correction_bias(folder: Path) -> None:
