@@ -25,8 +25,11 @@ def engine(folder, speculative: bool, **kwargs) -> LLM:
     )
 
 
-@pytest.mark.parametrize("family", ["deepseek-v3", "glm-4.5"])
-@pytest.mark.parametrize("drafter", ["repeat", "random"])
+# A drafter that is never right costs a step per token: it runs on MLA only.
+@pytest.mark.parametrize(
+    ("family", "drafter"),
+    [("deepseek-v3", "repeat"), ("glm-4.5", "repeat"), ("deepseek-v3", "random")],
+)
 def test_greedy_output_is_the_targets(tmp_path, family, drafter):
     folder = write_mtp_checkpoint(family, tmp_path, drafter)
     expected = run(engine(folder, speculative=False))

@@ -11,7 +11,7 @@ from atom.engine.sampler import Sampler
 from atom.engine.sequence import Sequence
 from atom.speculative.verifier import verify
 
-VOCAB, DRAWS, TOP_K, TEMPERATURE = 8, 40_000, 6, 0.8
+VOCAB, DRAWS, TOP_K, TEMPERATURE = 8, 20_000, 6, 0.8
 
 
 def target_distribution(logits: torch.Tensor) -> torch.Tensor:
