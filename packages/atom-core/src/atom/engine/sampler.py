@@ -214,16 +214,29 @@ class Sampler:
             self.default_generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self.default_generators[device]
 
-    def noise_for(self, seqs: list[Sequence], like: torch.Tensor) -> torch.Tensor:
-        """Exp(1) noise [R, vocab]; seeded sequences draw theirs from their own generator."""
-        noise = torch.empty_like(like).exponential_(generator=self.default_generator(like.device))
+    @staticmethod
+    def _seeded_rows(seqs: list[Sequence], device: torch.device):
+        """(row, the sequence's own generator) of each seeded sequence."""
         for i, seq in enumerate(seqs):
             if seq.seed is not None:
                 if seq.generator is None:
-                    seq.generator = torch.Generator(like.device).manual_seed(seq.seed)
-                noise[i].exponential_(generator=seq.generator)
+                    seq.generator = torch.Generator(device).manual_seed(seq.seed)
+                yield i, seq.generator
+
+    def noise_for(self, seqs: list[Sequence], like: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise [R, vocab]; seeded sequences draw theirs from their own generator."""
+        noise = torch.empty_like(like).exponential_(generator=self.default_generator(like.device))
+        for i, generator in self._seeded_rows(seqs, like.device):
+            noise[i].exponential_(generator=generator)
         # A zero draw would turn a filtered (p = 0) token into 0/0.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def uniform_for(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """U(0, 1) draws [R]; seeded sequences draw theirs from their own generator."""
+        u = torch.empty(len(seqs), device=device).uniform_(generator=self.default_generator(device))
+        for i, generator in self._seeded_rows(seqs, device):
+            u[i : i + 1].uniform_(generator=generator)
+        return u
 
     def launch(
         self, logits: torch.Tensor, seqs: list[Sequence], blocked: Rows[Rows[int]] = ()
@@ -268,6 +281,23 @@ class Sampler:
         return self.launch(logits, seqs, blocked).results()
 
 
+class HostCopy:
+    """One asynchronous device-to-host copy of a packed result tensor."""
+
+    def __init__(self, packed: torch.Tensor):
+        self.host = packed.to("cpu", non_blocking=True)  # pinned when it comes from a GPU
+        self.copied = None
+        if packed.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def rows(self) -> list[list[float]]:
+        """The copied rows, once the copy has landed."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
 class PendingSamples:
     """A batch's sampled tokens: on the device at once (to feed the next step), on the
     host after one asynchronous copy of the packed results."""
@@ -276,17 +306,11 @@ class PendingSamples:
         self.tokens = tokens
         self.params = params
         self.k = k
-        self.host = packed.to("cpu", non_blocking=True)  # pinned when it comes from a GPU
-        self.copied = None
-        if packed.is_cuda:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
+        self.copy = HostCopy(packed)
 
     def results(self) -> list[SampleResult]:
-        if self.copied is not None:
-            self.copied.synchronize()
         results = []
-        for p, row in zip(self.params, self.host.tolist()):
+        for p, row in zip(self.params, self.copy.rows()):
             entry = unpack_entry(row, p.logprobs, self.k) if p.logprobs is not None else None
             results.append(SampleResult(int(row[0]), row[1], entry))
         return results

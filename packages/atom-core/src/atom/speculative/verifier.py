@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from atom.engine.sampler import (
+    HostCopy,
     Sampler,
     SampleResult,
     filter_columns,
@@ -25,18 +26,6 @@ from atom.engine.sampler import (
     unpack_entry,
 )
 from atom.engine.sequence import Sequence
-
-
-def _uniform(seqs: list[Sequence], sampler: Sampler, like: torch.Tensor) -> torch.Tensor:
-    u = torch.empty(len(seqs), device=like.device).uniform_(
-        generator=sampler.default_generator(like.device)
-    )
-    for i, seq in enumerate(seqs):
-        if seq.seed is not None:
-            if seq.generator is None:
-                seq.generator = torch.Generator(like.device).manual_seed(seq.seed)
-            u[i : i + 1].uniform_(generator=seq.generator)
-    return u
 
 
 def verify(
@@ -63,22 +52,21 @@ def verify(
         probs = filter_scaled(
             logits[index], *filter_columns([s.params for s in rows], logits)
         ).softmax(-1)
-        u = _uniform(rows, sampler, probs)
+        u = sampler.uniform_for(rows, device)
+        draft_probability = probs.gather(1, safe_draft[index])
         rejected_out = (
             probs
             if forced_acceptance is not None
             else probs.scatter(
-                1,
-                safe_draft[index],
-                torch.where(has_draft[index, None], 0.0, probs.gather(1, safe_draft[index])),
+                1, safe_draft[index], torch.where(has_draft[index, None], 0.0, draft_probability)
             )
         )
         noise = sampler.noise_for(rows, probs)
         fallback = fallback.index_put((index,), (rejected_out / noise).argmax(-1))
-        accept_probability = probs.gather(1, safe_draft[index]).squeeze(1)
+        accept_probability = draft_probability.squeeze(1)
         accept = accept.index_put((index,), has_draft[index] & (u < accept_probability))
     if forced_acceptance is not None:
-        u = _uniform(row_seqs, sampler, logits)
+        u = sampler.uniform_for(row_seqs, device)
         accept = has_draft & (u < forced_acceptance)
 
     emitted = torch.where(accept, draft, fallback)
@@ -98,18 +86,12 @@ def verify(
 
 class PendingVerification:
     def __init__(self, packed: torch.Tensor, seqs: list[Sequence], num_drafts: list[int], k: int):
-        self.host = packed.to("cpu", non_blocking=True)
+        self.copy = HostCopy(packed)
         self.seqs, self.num_drafts, self.k = seqs, num_drafts, k
-        self.copied = None
-        if packed.is_cuda:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
 
     def results(self) -> list[list[SampleResult]]:
         """Each sequence's emitted tokens: its accepted drafts, then one token of the target."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        rows = self.host.tolist()
+        rows = self.copy.rows()
         results, start = [], 0
         for seq, n in zip(self.seqs, self.num_drafts):
             own = rows[start : start + n + 1]
