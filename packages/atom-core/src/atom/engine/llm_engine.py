@@ -14,6 +14,7 @@ from atom.config import EngineConfig
 from atom.engine.block_manager import BlockManager
 from atom.engine.detokenizer import Detokenizer, find_stop_string
 from atom.engine.executor import Executor
+from atom.engine.model_runner import select_rows
 from atom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from atom.engine.parallel_check import check_parallel
 from atom.engine.sampler import PendingSamples, Sampler, prompt_logprob_entries, uses_penalties
@@ -261,14 +262,14 @@ class LLMEngine:
         samples = verification = None
         if plan.verified:
             verification = verify(
-                _select(logits, plan.verified_rows),
+                select_rows(logits, plan.verified_rows),
                 [seq for seq, _ in plan.verified],
                 [d for _, d in plan.verified],
                 self.sampler,
                 self.config.speculative.forced_acceptance,
             )
         if plan.samples:
-            sample_logits = _select(logits, plan.sample_rows)
+            sample_logits = select_rows(logits, plan.sample_rows)
             blocked = [
                 self.eos_token_ids if seq.num_output_tokens < seq.params.min_tokens else ()
                 for seq in plan.samples
@@ -475,12 +476,6 @@ class _StepPlan:
                 self.rows.append(offset + n - 1)
                 self.samples.append(seq)
             offset += n
-
-
-def _select(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    if len(rows) == logits.shape[0]:
-        return logits
-    return logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

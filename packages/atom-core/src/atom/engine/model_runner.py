@@ -188,35 +188,24 @@ class ModelRunner:
         with set_forward_context(metadata):
             return self.model(input_ids, positions)
 
-    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        if len(rows) == hidden.shape[0]:  # rows ascend, so this is every row in order
-            return hidden
-        return hidden[torch.tensor(rows).to(self.device, non_blocking=True)]
-
     @torch.inference_mode()
     def execute(
         self, batch: list[StepInput], logit_rows: list[int], feed: TokenFeed | None = None
     ) -> torch.Tensor | None:
         """fp32 logits of the given (ascending) token rows of the step; None when no row
         is asked."""
-        hidden = self.forward(batch, feed)
-        if not logit_rows:
-            return None
-        return self.model.compute_logits(self._rows(hidden, logit_rows)).float()
+        return self.execute_keeping_hidden(batch, logit_rows, feed)[0]
 
     @torch.inference_mode()
     def execute_keeping_hidden(
-        self, batch: list[StepInput], logit_rows: list[int]
+        self, batch: list[StepInput], logit_rows: list[int], feed: TokenFeed | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """`execute`'s logits and the hidden states [T, hidden] of every new token (a
         drafter reads them)."""
-        hidden = self.forward(batch)
-        logits = (
-            self.model.compute_logits(self._rows(hidden, logit_rows)).float()
-            if logit_rows
-            else None
-        )
-        return logits, hidden
+        hidden = self.forward(batch, feed)
+        if not logit_rows:
+            return None, hidden
+        return self.model.compute_logits(select_rows(hidden, logit_rows)).float(), hidden
 
     @torch.inference_mode()
     def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:
@@ -224,5 +213,12 @@ class ModelRunner:
         hidden = self.forward(batch)
         if not all_positions:
             last_rows = list(itertools.accumulate(len(item.token_ids) for item in batch))
-            hidden = self._rows(hidden, [row - 1 for row in last_rows])
+            hidden = select_rows(hidden, [row - 1 for row in last_rows])
         return self.model.compute_logits(hidden).float()
+
+
+def select_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """tensor[rows] for ascending `rows`; the tensor itself when they are all of its rows."""
+    if len(rows) == tensor.shape[0]:
+        return tensor
+    return tensor[torch.tensor(rows).to(tensor.device, non_blocking=True)]
