@@ -26,7 +26,7 @@ def vllm_style_server(checkpoint, tmp_path_factory):
     """`atom serve` started as `vllm serve` is, with the key in VLLM_API_KEY; yields its
     URL and its log."""
     folder = tmp_path_factory.mktemp("generation-config")
-    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
     log, port = folder / "serve.log", free_port()
     command = [sys.executable, "-m", "atom.cli", "serve", str(checkpoint), "--port", str(port),
                "--served-model-name", MODEL, "--dtype", "float32", "--seed", "7",
@@ -64,6 +64,13 @@ def test_vllm_flags_and_api_key_variable(vllm_style_server, client):
     # --generation-config's temperature 0 is the default of a request that gives none.
     greedy = client.completions.create(**GREEDY, temperature=0).choices[0].text
     assert keyed.completions.create(**GREEDY).choices[0].text == greedy
+    # Its max_new_tokens is the length limit of a request that sets none, as vLLM's.
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    assert keyed.chat.completions.create(**chat).usage.completion_tokens == 5
+    assert keyed.chat.completions.create(**chat, max_tokens=7).usage.completion_tokens == 7
+    unset = {**GREEDY, "max_tokens": None}
+    assert keyed.completions.create(**unset).usage.completion_tokens == 5
     lines = log.read_text().splitlines()
     assert sum("--trust-remote-code has no effect" in line for line in lines) == 1
 

@@ -96,7 +96,8 @@ class SamplingRequest(GuidedFields, StrictModel):
         """The SamplingParams arguments this request sets; unset ones take `defaults` (the
         server's, --generation-config), then SamplingParams' own."""
         fields = self.model_dump(include=_SHARED_SAMPLING_FIELDS | set(extra), exclude_none=True)
-        fields = {**defaults, **fields}
+        # max_tokens has a default of its own per endpoint: each sampling_params applies it.
+        fields = {**{k: v for k, v in defaults.items() if k != "max_tokens"}, **fields}
         if self.logit_bias:
             fields["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
         return fields
@@ -128,9 +129,11 @@ class CompletionRequest(SamplingRequest):
         return list(self.prompt)
 
     def sampling_params(self, defaults: dict) -> SamplingParams:
-        # Omitted, max_tokens is 16; null means no limit but the context length.
+        # Omitted, max_tokens is 16; null means the server's default (--generation-config's
+        # max_new_tokens), else no limit but the context length.
         fields = self.sampling_fields(defaults, "logprobs")
-        return SamplingParams(**fields, max_tokens=self.max_tokens)
+        max_tokens = self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens")
+        return SamplingParams(**fields, max_tokens=max_tokens)
 
 
 class TextPart(StrictModel):
@@ -207,10 +210,13 @@ class ChatCompletionRequest(SamplingRequest):
         return top_logprobs
 
     def sampling_params(self, defaults: dict) -> SamplingParams:
-        # Chat has no default length limit: it runs to max_model_len unless told otherwise.
+        # Chat's default length limit is the server's (--generation-config's max_new_tokens),
+        # else none: it runs to max_model_len unless told otherwise.
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
         return SamplingParams(
             **self.sampling_fields(defaults),
             max_tokens=max_tokens,

@@ -13,8 +13,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# The generation_config.json keys vLLM takes as request defaults.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# The generation_config.json keys vLLM takes as request defaults (vLLM 0.32's
+# ModelConfig.get_diff_sampling_param); HF's max_new_tokens is a request's max_tokens.
+SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "max_new_tokens",
+)  # fmt: skip
 
 
 class GenerationConfigError(ValueError):
@@ -38,6 +42,8 @@ def sampling_defaults(generation_config: str, model_folder: str) -> dict:
     except json.JSONDecodeError as exc:
         raise GenerationConfigError(f"{path} is not valid JSON: {exc}") from None
     defaults = {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
     if defaults:
         logger.info(
             "sampling defaults from %s (requests that leave them out get these): %s",
