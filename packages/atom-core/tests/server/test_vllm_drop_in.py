@@ -26,7 +26,9 @@ def vllm_style_server(checkpoint, tmp_path_factory):
     """`atom serve` started as `vllm serve` is, with the key in VLLM_API_KEY; yields its
     URL and its log."""
     folder = tmp_path_factory.mktemp("generation-config")
-    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
+    (folder / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 5})
+    )
     log, port = folder / "serve.log", free_port()
     command = [sys.executable, "-m", "atom.cli", "serve", str(checkpoint), "--port", str(port),
                "--served-model-name", MODEL, "--dtype", "float32", "--seed", "7",
