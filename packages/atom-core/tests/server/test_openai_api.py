@@ -116,6 +116,10 @@ def test_stop_token_ids(client, offline):
     )  # fmt: skip
     assert response.choices[0].finish_reason == "stop"
     assert response.usage.completion_tokens == stop_at
+    # As in vLLM, the text leaves out the stop token.
+    tokenizer = offline.tokenizer
+    assert response.choices[0].text == tokenizer.decode(tokens[: stop_at - 1])
+    assert response.choices[0].text != tokenizer.decode(tokens[:stop_at])
 
 
 def test_completion_logprobs(client):

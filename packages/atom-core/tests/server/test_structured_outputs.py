@@ -209,6 +209,18 @@ def assert_weather_calls(tool_calls: list[dict]) -> None:
         assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
 
 
+def assembled_calls(chunks: list[dict]) -> list[dict]:
+    """The calls a stream's tool-call pieces add up to, as a client puts them together."""
+    calls = {}
+    for piece in [call for c in chunks for call in c["delta"].get("tool_calls") or []]:
+        if piece["index"] not in calls:
+            assert piece["index"] == len(calls)
+            calls[piece["index"]] = {k: v for k, v in piece.items() if k != "index"}
+        else:
+            calls[piece["index"]]["function"]["arguments"] += piece["function"]["arguments"]
+    return list(calls.values())
+
+
 @pytest.mark.parametrize(
     "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
@@ -219,9 +231,31 @@ def test_forced_tool_choice_gives_a_valid_call(url, tool_choice):
     assert choice["message"]["content"] is None
     assert_weather_calls(choice["message"]["tool_calls"])
     chunks = streamed_chat(url, tools=tools, tool_choice=tool_choice, max_tokens=96)
+    assert_weather_calls(assembled_calls(chunks))
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_streamed_calls_send_their_arguments_as_they_come(url):
+    """tool_choice auto; a regex makes the model write one Hermes call. As vLLM streams it:
+    a first piece with id, type and name, then the arguments in pieces, and no chunk that
+    the call's text left empty."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    body = {"tools": [WEATHER], "guided_regex": re.escape(call)}
+    whole = chat(url, **body)
+    assert (whole["finish_reason"], whole["message"]["content"]) == ("tool_calls", None)
+    assert_weather_calls(whole["message"]["tool_calls"])
+    chunks = streamed_chat(url, **body)
     deltas = [call for c in chunks for call in c["delta"].get("tool_calls") or []]
-    assert [d["index"] for d in deltas] == list(range(len(deltas)))
-    assert_weather_calls(deltas)
+    first, rest = deltas[0], deltas[1:]
+    assert (first["type"], first["function"]["name"]) == ("function", "get_weather")
+    assert len(rest) >= 2 and all(d.keys() == {"index", "function"} for d in rest)
+    assert all(d["function"].keys() == {"arguments"} for d in rest)
+    assert_weather_calls(assembled_calls(chunks))
+    for chunk in chunks:
+        delta = chunk["delta"]
+        assert delta.get("content") or delta.get("tool_calls") or delta.get("role") or (
+            chunk["finish_reason"]
+        )  # fmt: skip
     assert chunks[-1]["finish_reason"] == "tool_calls"
 
 

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 import atom
+from atom.server.tool_calls import TOOL_CALL_PARSERS
 from tests.server.server_process import MODEL, free_port
 
 GREEDY = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 12,
@@ -84,8 +85,10 @@ def test_unknown_tool_call_parser_is_a_one_line_startup_error(checkpoint):
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
-        "atom serve: error: --tool-call-parser 'nonesuch' is not one ATOM has; it has: hermes"
+        "atom serve: error: --tool-call-parser 'nonesuch' is not one ATOM has; it has: "
+        + ", ".join(TOOL_CALL_PARSERS)
     )
+    assert "qwen3_coder" in TOOL_CALL_PARSERS
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])

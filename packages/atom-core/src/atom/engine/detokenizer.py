@@ -9,17 +9,17 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def update(self, seq: Sequence) -> str:
-        """Re-decodes the output and returns the newly finalised text.
+    def update(self, seq: Sequence, leave_out_last: bool = False) -> str:
+        """Re-decodes the output (without its last token with leave_out_last) and returns
+        the newly finalised text.
 
         A trailing U+FFFD means a multi-byte character is still incomplete; it is held
         back until the next token completes it.
         """
         if self.tokenizer is None or not seq.params.detokenize:
             return ""
-        text = self.tokenizer.decode(
-            seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens
-        )
+        ids = seq.output_ids[:-1] if leave_out_last else seq.output_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
         if text.endswith("\ufffd") and seq.finish_reason is None:
             text = text.rstrip("\ufffd")
         if not text.startswith(seq.text):

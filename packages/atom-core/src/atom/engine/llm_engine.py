@@ -357,38 +357,49 @@ class LLMEngine:
             seq.logprobs.append(result.top_logprobs)
 
     def _after_token(self, seq: Sequence, token: int) -> None:
-        self._check_stop(seq, token)
+        stopping_token = self._check_stop(seq, token)
         if seq.finish_reason is not None:
             # Flush text held back as incomplete, unless a stop string already cut it
             # short (re-decoding would bring the stop string back).
             if not isinstance(seq.stop_reason, str):
-                self.detokenizer.update(seq)
+                self.detokenizer.update(seq, leave_out_last=stopping_token)
             self.scheduler.finish(seq)
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        """Sets the sequence's finish reason where `token` ends it; True when `token` is
+        a stopping token (EOS, a stop token id), which its text leaves out."""
         params = seq.params
-        new_chars = len(self.detokenizer.update(seq)) if params.detokenize else 0
+        stopping_token = seq.num_output_tokens >= params.min_tokens and (
+            (not params.ignore_eos and token in self.eos_token_ids)
+            or token in params.stop_token_ids
+        )
+        # As in vLLM, the text leaves out the token that stops it (shown only where special
+        # tokens are not skipped, or for a stop_token_ids entry that is an ordinary token).
+        new_chars = 0
+        if params.detokenize:
+            new_chars = len(self.detokenizer.update(seq, leave_out_last=stopping_token))
         if seq.guide is not None:
             seq.guide.accept(token)
             if seq.guide.is_done:
                 seq.finish_reason = "stop"
-                return
+                return stopping_token
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
-                return
+                return stopping_token
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
-                return
+                return stopping_token
             stop = find_stop_string(seq, new_chars) if params.stop else None
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
-                return
+                return stopping_token
         limit = self.config.model.max_model_len
         if params.max_tokens is not None:
             limit = min(limit, seq.num_prompt_tokens + params.max_tokens)
         if seq.num_tokens >= limit:
             seq.finish_reason = "length"
+        return stopping_token
 
     def _output(self, request: _Request) -> RequestOutput:
         finished = all(s.is_finished for s in request.seqs)

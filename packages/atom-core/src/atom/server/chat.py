@@ -3,6 +3,7 @@ generation."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections import defaultdict
@@ -34,13 +35,20 @@ from atom.server.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatLogprobs,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
 )
 from atom.server.streaming import event_stream
-from atom.server.tools import ParsedToolCall, forced_call_guide, tool_call_reader
+from atom.server.tool_calls import (
+    ParsedToolCall,
+    ToolCallDelta,
+    ToolCallReader,
+    forced_call_guide,
+    tool_call_reader,
+)
 
 
 async def create_chat_completion(
@@ -49,6 +57,9 @@ async def create_chat_completion(
     arrival_time = time.monotonic()  # latency metrics count the template and tokenizing too
     ctx.limits.check_choices(request, 1)
     params = await sampling_params_of(ctx, request, _guide(request))
+    if _markers_are_special_tokens(ctx, request):
+        # Decoding would drop them, and with them the calls (as vLLM's parsers do).
+        params = dataclasses.replace(params, skip_special_tokens=False)
     prompt = await chat_prompt(ctx, request)
     stream = await submit(ctx, [prompt], params, "messages", arrival_time, request.stream)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -62,6 +73,16 @@ async def create_chat_completion(
         _response, ctx, response_id, outputs[0], params, request
     )
     return JSONResponse(response.model_dump())
+
+
+def _markers_are_special_tokens(ctx: ServerContext, request: ChatCompletionRequest) -> bool:
+    reader = tool_call_reader(request, ctx.options.tool_call_parser)
+    tokenizer = ctx.engine.tokenizer
+    if reader is None or tokenizer is None:
+        return False
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    special = {token.content for token in added if token.special}
+    return not special.isdisjoint(reader.markers)
 
 
 def _guide(request: ChatCompletionRequest):
@@ -99,9 +120,10 @@ def _response(
     choices = []
     for c in output.outputs:
         content, calls = c.text, []
-        reader = tool_call_reader(request)
+        reader = tool_call_reader(request, ctx.options.tool_call_parser)
         if reader is not None:
-            content, calls = reader.read(c.text, final=True)
+            content, _ = reader.read(c.text, final=True)
+            calls = reader.calls
             content = (content.strip() or None) if calls else content
         choices.append(
             ChatChoice(
@@ -149,15 +171,16 @@ async def _chunks(
     response_id: str,
     request: ChatCompletionRequest,
 ) -> AsyncIterator[ChatCompletionChunk]:
-    readers = defaultdict(lambda: tool_call_reader(request))
+    readers = defaultdict(lambda: tool_call_reader(request, ctx.options.tool_call_parser))
     last = None
     async for output in stream:
         last = output
         choices = []
         for delta in output.choices:
             choice = await _chunk_choice(ctx, delta, params)
-            _take_tool_calls(choice, delta, readers[delta.index])
-            choices.append(choice)
+            reader = readers[delta.index]
+            if reader is None or _take_tool_calls(choice, delta, reader):
+                choices.append(choice)
         if choices:
             yield ChatCompletionChunk(id=response_id, model=ctx.model, choices=choices)
     if request.include_usage_in_stream:
@@ -165,19 +188,24 @@ async def _chunks(
         yield ChatCompletionChunk(id=response_id, model=ctx.model, choices=[], usage=usage)
 
 
-def _take_tool_calls(choice: ChatChunkChoice, delta: ChoiceDelta, reader) -> None:
-    """Moves the tool calls in the choice's text into its delta's tool_calls."""
-    if reader is None:
-        return
-    first_index = reader.num_calls
-    content, calls = reader.read(delta.text, final=delta.finish_reason is not None)
+def _take_tool_calls(choice: ChatChunkChoice, delta: ChoiceDelta, reader: ToolCallReader) -> bool:
+    """Moves the tool calls in the choice's text into its delta's tool_calls; False when
+    that leaves the chunk empty: as in vLLM, such a chunk is not sent."""
+    content, pieces = reader.read(delta.text, final=delta.finish_reason is not None)
     choice.delta.content = content
-    if calls:
-        choice.delta.tool_calls = [
-            DeltaToolCall(index=first_index + i, **call.model_dump())
-            for i, call in enumerate(_tool_calls(calls))
-        ]
-    choice.finish_reason = _finish_reason(delta.finish_reason, reader.num_calls > 0)
+    if pieces:
+        choice.delta.tool_calls = [_delta_tool_call(piece) for piece in pieces]
+    choice.finish_reason = _finish_reason(delta.finish_reason, bool(reader.calls))
+    return bool(content or pieces or choice.delta.role or choice.finish_reason or choice.logprobs)
+
+
+def _delta_tool_call(piece: ToolCallDelta) -> DeltaToolCall:
+    return DeltaToolCall(
+        index=piece.index,
+        id=piece.id,
+        type="function" if piece.id else None,
+        function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments),
+    )
 
 
 async def _chunk_choice(

@@ -7,7 +7,7 @@ import socket
 from dataclasses import fields
 from typing import Any
 
-from atom.server.options import TOOL_CALL_PARSERS, ServeOptions
+from atom.server.options import ServeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ def run_server(
     from atom.server.async_engine import AsyncEngine
     from atom.server.sampling_defaults import GenerationConfigError, sampling_defaults
     from atom.server.tokenization import load_chat_template
+    from atom.server.tool_calls import TOOL_CALL_PARSERS
 
     serve_kwargs = {k: kwargs.pop(k) for k in SERVE_OPTIONS & kwargs.keys()}
     options = ServeOptions(**{"served_model_name": model, **serve_kwargs})

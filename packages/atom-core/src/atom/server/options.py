@@ -13,8 +13,6 @@ DEFAULT_MAX_STOP_CHARS = 16384
 # A stalled streaming client costs at most this many unread output tokens (a few MB even
 # with 20 top logprobs each) before its call is aborted.
 DEFAULT_MAX_UNREAD_TOKENS = 16384
-# The --tool-call-parser names ATOM reads calls with (vLLM's names).
-TOOL_CALL_PARSERS = ("hermes",)
 
 
 @dataclass(frozen=True)
@@ -26,7 +24,8 @@ class ServeOptions:
             or a file path) replacing the tokenizer's. api_key: when set, /v1 routes need
             `Authorization: Bearer <api_key>`. allowed_origins etc.: CORS, as vLLM's options. generation_config: where request sampling
     defaults come from ("auto": the model's generation_config.json, "vllm": none, or a
-    folder). tool_call_parser: how tool calls are read from the output (TOOL_CALL_PARSERS);
+    folder). tool_call_parser: how tool calls are read from the output (a name of
+    atom.server.tool_calls.TOOL_CALL_PARSERS);
     enable_auto_tool_choice: accepted as vLLM's flag (ATOM reads calls with or without it)."""
 
     served_model_name: str = "model"

@@ -76,10 +76,19 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class DeltaToolCall(ToolCall):
-    """A whole call in one chunk (OpenAI lets clients concatenate the pieces of one index)."""
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_is_none)
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of call `index`: the first has its id, type and name; the arguments pieces
+    of one index concatenate (as OpenAI and vLLM stream them)."""
 
     index: int
+    id: str | None = Field(default=None, exclude_if=_is_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_is_none)
+    function: DeltaFunctionCall
 
 
 class AssistantMessage(BaseModel):
