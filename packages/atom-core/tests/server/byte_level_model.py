@@ -10,7 +10,9 @@ from atom.demo import write_tiny_llama
 
 VOCAB_SIZE = 384
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOOL_TAGS = ["<tool_call>", "</tool_call>"]  # added, not special: decoding keeps them
+# Special, as in some real tokenizers: decoding drops them unless a tool-call request keeps
+# them (the server does, as vLLM's parsers do).
+TOOL_TAGS = ["<tool_call>", "</tool_call>"]
 
 CORPUS = [
     '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
@@ -49,7 +51,7 @@ def build_tokenizer():
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
     )
-    fast.add_tokens(TOOL_TAGS)
+    fast.add_tokens(TOOL_TAGS, special_tokens=True)
     fast.chat_template = CHAT_TEMPLATE
     assert len(fast) <= VOCAB_SIZE
     return fast
