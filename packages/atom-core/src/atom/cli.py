@@ -177,7 +177,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="how tool calls are read from the output, by vLLM's names: hermes (Qwen3, "
         "Qwen3-MoE, Qwen3-Next), llama3_json, mistral (Mixtral), deepseek_v3, deepseek_v31 "
         "(DeepSeek-V3.1/V3.2), kimi_k2, glm45 / glm47 (GLM-4.5 to GLM-5), qwen3_coder "
-        "(Qwen3.5), minimax_m2",
+        "(Qwen3.5), minimax_m2, openai (GPT-OSS harmony)",
     )
     api.add_argument(
         "--enable-auto-tool-choice",

@@ -52,6 +52,13 @@ OUTPUTS = {
     "minimax_m2": PREFIX + '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter '
     'name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n'
     '<invoke name="get_time">\n</invoke>\n</minimax:tool_call>',
+    # GPT-OSS: reasoning, a preamble, then the calls (<|call|> stops an output: the last
+    # call ends with the output).
+    "openai": "<|channel|>analysis<|message|>The user wants weather and time.<|end|><|start|>"
+    f"assistant<|channel|>commentary<|message|>{PREFIX}<|end|><|start|>assistant<|channel|>"
+    "commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city": "Paris", "days": 3}<|call|><|start|>assistant to=functions.get_time<|channel|>'
+    "commentary json<|message|>{}",
 }  # fmt: skip
 OUTPUTS["glm47"] = OUTPUTS["glm45"]
 
@@ -175,3 +182,11 @@ def test_forced_calls_are_a_json_array_streamed_as_they_come():
     assert deltas[0].name == "get_weather" and deltas[0].arguments.startswith('{"city"')
     assert read_whole("hermes", '[{"name": "f", "argu', "required") == ('[{"name": "f", "argu', [])
     assert read_whole("hermes", "[1]", "required") == ("[1]", [])
+
+
+def test_harmony_final_channel_is_the_content_and_analysis_is_not():
+    text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final"
+    text += "<|message|>It is sunny."
+    assert read_whole("openai", text) == ("It is sunny.", [])
+    for piece in (1, 4):
+        assert read_streamed("openai", text, piece)[:2] == ("It is sunny.", [])

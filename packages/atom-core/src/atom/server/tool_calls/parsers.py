@@ -17,10 +17,11 @@ from atom.server.tool_calls.formats import (
     Hermes,
     XmlParameters,
 )
+from atom.server.tool_calls.harmony import HarmonyReader
 from atom.server.tool_calls.json_calls_reader import JsonCallsReader
 from atom.server.tool_calls.reader import MarkedCallReader
 
-ToolCallReader = MarkedCallReader | JsonCallsReader
+ToolCallReader = MarkedCallReader | JsonCallsReader | HarmonyReader
 
 
 def _xml(format: dict) -> Callable[[list[Tool]], ToolCallReader]:
@@ -42,6 +43,7 @@ TOOL_CALL_PARSERS: dict[str, Callable[[list[Tool]], ToolCallReader]] = {
     "glm47": _xml(GLM45),
     "qwen3_coder": _xml(QWEN3_CODER),
     "minimax_m2": _xml(MINIMAX_M2),
+    "openai": lambda tools: HarmonyReader(),
 }
 
 
