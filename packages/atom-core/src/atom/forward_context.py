@@ -15,9 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from atom.speculative.state_rollback import StateCheckpoints
 
 
 class KVGroupTables(NamedTuple):
@@ -50,6 +53,9 @@ class AttentionMetadata:
                      hybrid models (Gated DeltaNet conv + recurrent states); None otherwise.
     has_initial_state: [B] bool, whether that row holds the sequence's state so far (False:
                      its first chunk, or a recompute after preemption: start from zeros).
+    state_checkpoints: a speculative verify step of a hybrid model: the verified sequences
+                     whose states its Gated DeltaNet layers copy, with the inputs of their
+                     rows, before they mix (atom.speculative.state_rollback); else None.
     """
 
     query_start_loc: torch.Tensor
@@ -67,6 +73,7 @@ class AttentionMetadata:
     kv_group_tables: tuple[KVGroupTables | tuple[torch.Tensor, torch.Tensor], ...] | None = None
     state_slots: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
+    state_checkpoints: StateCheckpoints | None = None
     _group_views: dict[int, AttentionMetadata] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )

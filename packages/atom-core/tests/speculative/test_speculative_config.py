@@ -47,9 +47,12 @@ def test_a_model_without_mtp_support(tmp_path):
 
 
 def test_a_checkpoint_without_mtp_weights(tmp_path):
-    write_checkpoint(CONFIGS["deepseek-v3"](2), tmp_path)
+    write_checkpoint(CONFIGS["deepseek-v3"](2), tmp_path / "deepseek")
     with pytest.raises(ConfigError, match=r"no MTP weights \(model.layers.2.eh_proj.weight"):
-        start(tmp_path, MTP)
+        start(tmp_path / "deepseek", MTP)
+    write_checkpoint(tiny_config("Qwen3NextForCausalLM"), tmp_path / "qwen3-next")
+    with pytest.raises(ConfigError, match=r"no MTP weights \(mtp.fc.weight is missing"):
+        start(tmp_path / "qwen3-next", MTP)
 
 
 def test_a_config_without_mtp_layers(tmp_path):

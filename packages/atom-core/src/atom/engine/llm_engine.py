@@ -26,6 +26,7 @@ from atom.sampling_params import SamplingParams
 from atom.speculative.config import check_engine_config
 from atom.speculative.draft_policy import DraftPolicy
 from atom.speculative.proposer import Proposer
+from atom.speculative.state_rollback import StateCheckpoints
 from atom.speculative.stats import SpeculativeStats
 from atom.speculative.verifier import PendingVerification, verify
 
@@ -69,7 +70,7 @@ class LLMEngine:
         self.executor = Executor(config)
         self.model = self.executor.model
         self.kv_layout = self.executor.kv_layout
-        hybrid = self.executor.state_cache_bytes > 0
+        self.hybrid = hybrid = self.executor.state_cache_bytes > 0
         prefix_caching = config.cache.enable_prefix_caching and not hybrid
         if hybrid and config.cache.enable_prefix_caching:
             logger.info("prefix caching is off: the model keeps per-request state (hybrid)")
@@ -250,11 +251,15 @@ class LLMEngine:
                     rows.append(row)
                     sources.append(i)
             feed = TokenFeed(feeding.samples.tokens, rows, sources) if rows else None
-        hidden = None
+        hidden = checkpoints = None
         if self.proposer is None:
             logits = self.executor.execute(plan.inputs, plan.rows, feed)
         else:
-            logits, hidden = self.executor.runner.execute_keeping_hidden(plan.inputs, plan.rows)
+            if self.hybrid and plan.verified:
+                checkpoints = plan.state_checkpoints(self.executor.runner.device)
+            logits, hidden = self.executor.runner.execute_keeping_hidden(
+                plan.inputs, plan.rows, state_checkpoints=checkpoints
+            )
             hidden = self.proposer.drafter.target_features(hidden)
         for seq, n, d in zip(batch.seqs, batch.num_new_tokens, drafts):
             # Drafts count as computed once accepted (_finish_verified).
@@ -276,7 +281,7 @@ class LLMEngine:
             ]
             samples = self.sampler.launch(sample_logits, plan.samples, blocked)
         step = _Step(batch.seqs, plan, logits if plan.prompt_logprobs else None, samples)
-        step.verification = verification
+        step.verification, step.state_checkpoints = verification, checkpoints
         if hidden is not None:
             step.hidden_rows = [
                 (seq, seq.num_computed_tokens - (n - len(d)), hidden[start : start + n])
@@ -291,6 +296,12 @@ class LLMEngine:
         """Brings a step's tokens to the host, then does its bookkeeping."""
         results = step.samples.results() if step.samples is not None else []
         verified = step.verification.results() if step.verification is not None else []
+        if step.state_checkpoints is not None:
+            # The rows that stand: the sequence's own new ones and the drafts it kept.
+            step.state_checkpoints.roll_back(
+                [n - len(d) + len(emitted) - 1 for (_, d), n, emitted in zip(
+                    step.plan.verified, step.plan.verified_num_rows, verified)]
+            )  # fmt: skip
         arrived = time.monotonic()  # when this step's tokens reached the host
         # Sequences that stopped (or were aborted) while this step was in flight are
         # done; their rows here are the extra ones.
@@ -444,6 +455,7 @@ class _Step:
     logits: torch.Tensor | None  # kept only for prompt logprobs
     samples: PendingSamples | None
     verification: PendingVerification | None = None
+    state_checkpoints: StateCheckpoints | None = None  # hybrid models' verify steps
     # (sequence, position of its first row, hidden states) for the drafter's backlog.
     hidden_rows: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
@@ -461,6 +473,8 @@ class _StepPlan:
         self.sample_rows: list[int] = []  # indexes into rows
         self.verified: list[tuple[Sequence, list[int]]] = []  # sequences with drafts
         self.verified_rows: list[int] = []  # indexes into rows, all of theirs
+        self.verified_starts: list[int] = []  # their first token row
+        self.verified_num_rows: list[int] = []  # and their number of token rows
         self.token_starts: list[int] = []  # each sequence's first token row
         offset = 0
         for seq, n, draft in zip(seqs, num_new_tokens, drafts):
@@ -470,6 +484,8 @@ class _StepPlan:
             self.inputs.append(StepInput(tokens, start, seq.block_tables, seq.state_slot))
             if draft:
                 self.verified.append((seq, draft))
+                self.verified_starts.append(offset)
+                self.verified_num_rows.append(n)
                 self.verified_rows += range(len(self.rows), len(self.rows) + n)
                 self.rows += range(offset, offset + n)
                 offset += n
@@ -487,6 +503,11 @@ class _StepPlan:
                 self.rows.append(offset + n - 1)
                 self.samples.append(seq)
             offset += n
+
+    def state_checkpoints(self, device) -> StateCheckpoints:
+        """What a hybrid model's DeltaNet layers keep of the verified sequences."""
+        slots = [seq.state_slot for seq, _ in self.verified]
+        return StateCheckpoints(slots, self.verified_starts, self.verified_num_rows, device)
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

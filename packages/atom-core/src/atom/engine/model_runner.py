@@ -19,9 +19,11 @@ from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.kv_cache import fp8_kv_cache_unsupported
 from atom.layers.quantization import get_quant_config
 from atom.loader import load_model_weights
-from atom.speculative.config import MTP_RECYCLES_NORMED, SpeculativeConfig
+from atom.speculative.config import MTP_MODULE, MTP_RECYCLES_NORMED, SpeculativeConfig
 from atom.speculative.eagle3 import load_eagle3_drafter, read_drafter_config
 from atom.speculative.mtp import MtpDrafter
+from atom.speculative.qwen3_next_mtp import Qwen3NextMtpDrafter
+from atom.speculative.state_rollback import StateCheckpoints
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +52,7 @@ def build_model(
     with torch.device(device), default_dtype(config.dtype):
         model = model_cls(config.hf_config, quant_config)
         if mtp:  # its weights are the target checkpoint's
-            model.drafter = MtpDrafter(
-                config.hf_config,
-                model_cls.model_cls.decoder_layer,
-                quant_config,
-                MTP_RECYCLES_NORMED[config.entry.architecture],
-                embed=model.model.embed_tokens.forward,
-            )
+            model.drafter = _mtp_drafter(model, config, quant_config)
     load_model_weights(model, config.path, progress=progress)
     if speculative is not None and not mtp:
         drafter_config = read_drafter_config(
@@ -65,6 +61,17 @@ def build_model(
         with torch.device(device), default_dtype(config.dtype):
             model.drafter = load_eagle3_drafter(model, speculative.model, drafter_config)
     return model.eval()
+
+
+def _mtp_drafter(model: nn.Module, config: ModelConfig, quant_config) -> nn.Module:
+    decoder_layer = type(model).model_cls.decoder_layer
+    embed = model.model.embed_tokens.forward
+    if config.entry.architecture in MTP_MODULE:
+        return Qwen3NextMtpDrafter(
+            config.hf_config, decoder_layer, quant_config, embed, model.compute_logits
+        )
+    recycle_normed = MTP_RECYCLES_NORMED[config.entry.architecture]
+    return MtpDrafter(config.hf_config, decoder_layer, quant_config, recycle_normed, embed=embed)
 
 
 def check_fp8_kv_cache(model: nn.Module, device: torch.device, log: bool = True) -> None:
@@ -173,9 +180,15 @@ class ModelRunner:
         return upload(build_step_arrays(batch, self.block_size), self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: list[StepInput], feed: TokenFeed | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: list[StepInput],
+        feed: TokenFeed | None = None,
+        state_checkpoints: StateCheckpoints | None = None,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] of every new token; `feed` supplies input tokens that
-        are still on the device.
+        are still on the device; `state_checkpoints`: a speculative verify step's, for a
+        hybrid model (it runs eagerly).
 
         Decode rows (one new token) must come before prefill rows.
         """
@@ -183,6 +196,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(arrays):
             return self.decode_graphs.run(arrays, feed)
         input_ids, positions, metadata = upload(arrays, self.device)
+        metadata.state_checkpoints = state_checkpoints
         if feed is not None:
             feed.apply(input_ids)
         with set_forward_context(metadata):
@@ -198,11 +212,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_keeping_hidden(
-        self, batch: list[StepInput], logit_rows: list[int], feed: TokenFeed | None = None
+        self,
+        batch: list[StepInput],
+        logit_rows: list[int],
+        feed: TokenFeed | None = None,
+        state_checkpoints: StateCheckpoints | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """`execute`'s logits and the hidden states [T, hidden] of every new token (a
         drafter reads them)."""
-        hidden = self.forward(batch, feed)
+        hidden = self.forward(batch, feed, state_checkpoints)
         if not logit_rows:
             return None, hidden
         return self.model.compute_logits(select_rows(hidden, logit_rows)).float(), hidden

@@ -193,10 +193,22 @@ class GatedDeltaNet(nn.Module):
             metadata.query_start_loc,
             metadata.has_initial_state,
         )
-        num_tokens = x.shape[0]
         q, k, v, z, b, a = self.project(x)
+        mixed = torch.cat([q, k, v], dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta = b.sigmoid()
+        if metadata.state_checkpoints is not None:
+            metadata.state_checkpoints.keep(self, conv_state, ssm_state, mixed, g, beta)
+        out = self._mix(mixed, g, beta, conv_state, ssm_state, slots, starts, has_state)
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(x.shape[0], self.value_dim))
+
+    def _mix(self, mixed, g, beta, conv_state, ssm_state, slots, starts, has_state):
+        """The conv over the rows' inputs `mixed` [T, C], then the gated delta rule: the
+        output [T, Hv, Dv]; both update the states in rows `slots`."""
+        num_tokens = mixed.shape[0]
         mixed = causal_conv1d(
-            torch.cat([q, k, v], dim=-1),
+            mixed,
             self.conv1d.weight.view(self.conv_dim, self.conv_width),
             None,
             conv_state,
@@ -206,13 +218,12 @@ class GatedDeltaNet(nn.Module):
             self.activation,
         )
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = gated_delta_rule(
+        return gated_delta_rule(
             q.view(num_tokens, self.num_k_heads, self.head_k_dim),
             k.view(num_tokens, self.num_k_heads, self.head_k_dim),
             v.view(num_tokens, self.num_v_heads, self.head_v_dim),
             g,
-            b.sigmoid(),
+            beta,
             ssm_state,
             slots,
             starts,
@@ -220,5 +231,11 @@ class GatedDeltaNet(nn.Module):
             scale=self.head_k_dim**-0.5,
             use_qk_l2norm=True,
         )
-        out = self.norm(out, z)
-        return self.out_proj(out.reshape(num_tokens, self.value_dim))
+
+    def remix(self, slots, conv, recurrent, mixed, g, beta, starts) -> None:
+        """Speculative rollback (atom.speculative.state_rollback): puts states saved before
+        a step back into rows `slots`, then mixes the kept rows' inputs into them again."""
+        self.conv_state[slots] = conv
+        self.ssm_state[slots] = recurrent
+        has_state = torch.ones(len(slots), dtype=torch.bool, device=slots.device)
+        self._mix(mixed, g, beta, self.conv_state, self.ssm_state, slots.int(), starts, has_state)

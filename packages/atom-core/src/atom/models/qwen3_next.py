@@ -11,8 +11,9 @@ shared expert. Also the pieces Qwen3.5 (atom.models.qwen3_5) shares.
   per key head, [q, k, its value heads' v, their z]; in_proj_ba likewise [b, a].
 - MoE: softmax top-k routing, plus a shared expert scaled by sigmoid(shared_expert_gate).
 
-Released checkpoints carry multi-token-prediction weights (`mtp.*`): skipped on load
-with one log line.
+Released checkpoints carry multi-token-prediction weights (`mtp.*`): the drafter's under
+speculative decoding (atom.speculative.qwen3_next_mtp), else skipped on load with one log
+line.
 """
 
 from __future__ import annotations
@@ -300,6 +301,9 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skipped: Counter[str] = Counter()
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None:  # speculative decoding runs the MTP module (qwen3_next_mtp)
+            weights = drafter.checkpoint_names(weights, "drafter")
 
         def text_model_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:

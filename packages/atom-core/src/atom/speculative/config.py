@@ -10,8 +10,14 @@ from atom.loader import checkpoint_tensor_names
 
 METHODS = ("mtp", "eagle3")
 # Architectures whose checkpoints carry MTP layers ATOM runs (`num_nextn_predict_layers`
-# of them): whether the next draft reads the layer's normed output (mtp.MtpDrafter).
+# of them) after their decoder layers: whether the next draft reads the layer's normed
+# output (mtp.MtpDrafter).
 MTP_RECYCLES_NORMED = {"DeepseekV3ForCausalLM": True, "Glm4MoeForCausalLM": False}
+# Architectures whose checkpoints carry an `mtp.*` module (qwen3_next_mtp).
+MTP_MODULE = (
+    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -76,10 +82,19 @@ class SpeculativeConfig:
             read_drafter_config(self.model, hf_config, architecture)
             return
         field = "num_nextn_predict_layers"
+        if architecture in MTP_MODULE:
+            from atom.speculative.qwen3_next_mtp import MTP_WEIGHT
+
+            if MTP_WEIGHT not in checkpoint_tensor_names(folder):
+                raise ConfigError(
+                    f"speculative method 'mtp': the checkpoint has no MTP weights ({MTP_WEIGHT} "
+                    "is missing)"
+                )
+            return
         if architecture not in MTP_RECYCLES_NORMED:
             raise ConfigError(
                 f"speculative method 'mtp' is not supported for {architecture}; it is for "
-                f"{sorted(MTP_RECYCLES_NORMED)}"
+                f"{sorted([*MTP_RECYCLES_NORMED, *MTP_MODULE])}"
             )
         count = getattr(hf_config, field, 0) or 0
         if count < 1:
