@@ -1,9 +1,12 @@
 """Runs model steps in this process, or across a tensor-parallel group of processes.
 
 With tensor_parallel_size N, this process is rank 0 and N-1 worker processes hold the
-other shards. Each step, rank 0 broadcasts the step's inputs over a gloo group; every
-rank runs the same forward, and the layers' collectives (NCCL on GPU, gloo on CPU)
-combine the shards. Only rank 0 samples. With enable_expert_parallel the same group
+other shards. Each call, rank 0 broadcasts what to run (`_RankSteps`' method and its
+arguments) over a gloo group; every rank runs the same forward, and the layers'
+collectives (NCCL on GPU, gloo on CPU) combine the shards. Only rank 0 samples. Under
+speculative decoding the drafter's forwards are broadcast too, with the hidden states
+they read (rank 0 picks them from its sequences' backlogs), and so is a hybrid model's
+state rollback after a verify step. With enable_expert_parallel the same group
 splits the MoE experts whole (atom.expert_parallel): attention is tensor parallel, so
 every rank holds every token and the experts' outputs meet in one all-reduce.
 """
@@ -33,6 +36,7 @@ from atom.engine.model_runner import (
 from atom.engine.state_cache import allocate_state_cache, num_state_slots, state_bytes_per_slot
 from atom.expert_parallel import ExpertParallel, ReplicatedTokens, set_expert_parallel
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
+from atom.speculative.state_rollback import StateCheckpoints
 
 
 def _rank_device(device: str, rank: int) -> torch.device:
@@ -111,18 +115,52 @@ class _Shard:
         return runner
 
 
+class _RankSteps:
+    """What every rank runs on its shard, called alike on rank 0 and on the workers."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.checkpoints: StateCheckpoints | None = None
+
+    def execute(self, inputs: list[StepInput], logit_rows: list[int], feed=None):
+        return self.runner.execute(inputs, logit_rows, feed)
+
+    def verify(self, inputs: list[StepInput], logit_rows: list[int], verified_rows):
+        """A speculative step: logits and hidden states; verified_rows (slots, first rows,
+        row counts of the verified sequences) for a hybrid model's state checkpoints."""
+        self.checkpoints = None
+        if verified_rows is not None:
+            self.checkpoints = StateCheckpoints(*verified_rows, self.runner.device)
+        return self.runner.execute_keeping_hidden(
+            inputs, logit_rows, state_checkpoints=self.checkpoints
+        )
+
+    def draft(self, inputs: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int]):
+        return self.runner.draft(inputs, hidden, step, rows)
+
+    def roll_back(self, kept_rows: list[int]) -> None:
+        self.checkpoints.roll_back(kept_rows)
+        self.checkpoints = None
+
+
 def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.tensor_parallel_size))
     control = _init_group(config, rank, port)
     shard = _Shard(config, rank, progress=False)
     message = [None]
     dist.broadcast_object_list(message, src=0, group=control)
-    runner = shard.allocate(message[0])
+    steps = _RankSteps(shard.allocate(message[0]))
     while True:
         dist.broadcast_object_list(message, src=0, group=control)
         if message[0] is None:
             break
-        runner.execute(*message[0])
+        name, args = message[0]
+        if name == "draft":  # the hidden states come as a tensor of this shape and dtype
+            inputs, (shape, dtype), step, rows = args
+            hidden = torch.empty(shape, dtype=dtype, device=shard.device)
+            dist.broadcast(hidden, src=0)
+            args = (inputs, hidden, step, rows)
+        getattr(steps, name)(*args)
     dist.destroy_process_group()
 
 
@@ -156,6 +194,7 @@ class Executor:
         )
         self._broadcast(self.num_blocks)
         self.runner = shard.allocate(self.num_blocks)
+        self.steps = _RankSteps(self.runner)
         self.state_cache_bytes = shard.state_cache_bytes
 
     def _broadcast(self, message) -> None:
@@ -169,8 +208,33 @@ class Executor:
             raise ValueError(
                 "device-fed input tokens reach rank 0 only; tensor parallel steps need host tokens"
             )
-        self._broadcast((inputs, logit_rows))
-        return self.runner.execute(inputs, logit_rows, feed)
+        self._broadcast(("execute", (inputs, logit_rows)))
+        return self.steps.execute(inputs, logit_rows, feed)
+
+    def verify(
+        self,
+        inputs: list[StepInput],
+        logit_rows: list[int],
+        verified_rows: tuple[list[int], list[int], list[int]] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A speculative step's logits and hidden states (`_RankSteps.verify`)."""
+        self._broadcast(("verify", (inputs, logit_rows, verified_rows)))
+        return self.steps.verify(inputs, logit_rows, verified_rows)
+
+    def draft(
+        self, inputs: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One drafter forward and its draft tokens (ModelRunner.draft) over `hidden`, which
+        rank 0 sends the others."""
+        if self.workers:
+            self._broadcast(("draft", (inputs, (hidden.shape, hidden.dtype), step, rows)))
+            dist.broadcast(hidden.contiguous(), src=0)
+        return self.steps.draft(inputs, hidden, step, rows)
+
+    def roll_back(self, kept_rows: list[int]) -> None:
+        """After a hybrid model's verify step: its states after the rows that stand."""
+        self._broadcast(("roll_back", (kept_rows,)))
+        self.steps.roll_back(kept_rows)
 
     def shutdown(self) -> None:
         if not self.workers:

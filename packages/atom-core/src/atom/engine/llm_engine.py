@@ -26,7 +26,6 @@ from atom.sampling_params import SamplingParams
 from atom.speculative.config import check_engine_config
 from atom.speculative.draft_policy import DraftPolicy
 from atom.speculative.proposer import Proposer
-from atom.speculative.state_rollback import StateCheckpoints
 from atom.speculative.stats import SpeculativeStats
 from atom.speculative.verifier import PendingVerification, verify
 
@@ -93,7 +92,7 @@ class LLMEngine:
         self.proposer = None
         self.spec_stats = SpeculativeStats()
         if config.speculative is not None:
-            self.proposer = Proposer(self.model.drafter, self.executor.runner.prepare)
+            self.proposer = Proposer(self.executor.draft)
             self.spec_stats = SpeculativeStats(config.speculative.num_speculative_tokens)
         self.sampler = Sampler(config.seed, compile=config.compile)
         self.eos_token_ids = _eos_ids(config.model.hf_config, tokenizer)
@@ -251,16 +250,15 @@ class LLMEngine:
                     rows.append(row)
                     sources.append(i)
             feed = TokenFeed(feeding.samples.tokens, rows, sources) if rows else None
-        hidden = checkpoints = None
+        hidden = None
+        rolls_back = self.hybrid and bool(plan.verified)
         if self.proposer is None:
             logits = self.executor.execute(plan.inputs, plan.rows, feed)
         else:
-            if self.hybrid and plan.verified:
-                checkpoints = plan.state_checkpoints(self.executor.runner.device)
-            logits, hidden = self.executor.runner.execute_keeping_hidden(
-                plan.inputs, plan.rows, state_checkpoints=checkpoints
+            logits, hidden = self.executor.verify(
+                plan.inputs, plan.rows, plan.verified_state_rows() if rolls_back else None
             )
-            hidden = self.proposer.drafter.target_features(hidden)
+            hidden = self.model.drafter.target_features(hidden)
         for seq, n, d in zip(batch.seqs, batch.num_new_tokens, drafts):
             # Drafts count as computed once accepted (_finish_verified).
             seq.num_computed_tokens += n - len(d)
@@ -281,7 +279,7 @@ class LLMEngine:
             ]
             samples = self.sampler.launch(sample_logits, plan.samples, blocked)
         step = _Step(batch.seqs, plan, logits if plan.prompt_logprobs else None, samples)
-        step.verification, step.state_checkpoints = verification, checkpoints
+        step.verification, step.rolls_back = verification, rolls_back
         if hidden is not None:
             step.hidden_rows = [
                 (seq, seq.num_computed_tokens - (n - len(d)), hidden[start : start + n])
@@ -296,9 +294,9 @@ class LLMEngine:
         """Brings a step's tokens to the host, then does its bookkeeping."""
         results = step.samples.results() if step.samples is not None else []
         verified = step.verification.results() if step.verification is not None else []
-        if step.state_checkpoints is not None:
+        if step.rolls_back:
             # The rows that stand: the sequence's own new ones and the drafts it kept.
-            step.state_checkpoints.roll_back(
+            self.executor.roll_back(
                 [n - len(d) + len(emitted) - 1 for (_, d), n, emitted in zip(
                     step.plan.verified, step.plan.verified_num_rows, verified)]
             )  # fmt: skip
@@ -455,7 +453,7 @@ class _Step:
     logits: torch.Tensor | None  # kept only for prompt logprobs
     samples: PendingSamples | None
     verification: PendingVerification | None = None
-    state_checkpoints: StateCheckpoints | None = None  # hybrid models' verify steps
+    rolls_back: bool = False  # a hybrid model's verify step: its states roll back
     # (sequence, position of its first row, hidden states) for the drafter's backlog.
     hidden_rows: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
@@ -504,10 +502,11 @@ class _StepPlan:
                 self.samples.append(seq)
             offset += n
 
-    def state_checkpoints(self, device) -> StateCheckpoints:
-        """What a hybrid model's DeltaNet layers keep of the verified sequences."""
+    def verified_state_rows(self) -> tuple[list[int], list[int], list[int]]:
+        """The verified sequences' state slots, first token rows and row counts: what a
+        hybrid model's DeltaNet layers keep of them (state_rollback.StateCheckpoints)."""
         slots = [seq.state_slot for seq, _ in self.verified]
-        return StateCheckpoints(slots, self.verified_starts, self.verified_num_rows, device)
+        return slots, self.verified_starts, self.verified_num_rows
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

@@ -226,6 +226,22 @@ class ModelRunner:
         return self.model.compute_logits(select_rows(hidden, logit_rows)).float(), hidden
 
     @torch.inference_mode()
+    def draft(
+        self, batch: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One forward of the model's drafter over `hidden` (atom.speculative.proposer),
+        then the draft tokens of output `rows` and their states for the next step (None
+        and an empty state where no row drafts)."""
+        drafter = self.model.drafter
+        input_ids, positions, metadata = self.prepare(batch)
+        with set_forward_context(metadata):
+            output, state = drafter(input_ids, positions, hidden, step)
+        if not rows:
+            return None, state[:0]
+        index = torch.tensor(rows, device=output.device)
+        return drafter.draft_tokens(output[index], step), state[index]
+
+    @torch.inference_mode()
     def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:
         """Logits [B, vocab] of each sequence's last new token, or [T, vocab] for all of them."""
         hidden = self.forward(batch)

@@ -110,6 +110,4 @@ class SpeculativeConfig:
 def check_engine_config(config: EngineConfig) -> None:
     """Fails before any weight loads where speculative decoding cannot run."""
     spec, model = config.speculative, config.model
-    if config.parallel.tensor_parallel_size > 1:
-        raise ConfigError("speculative decoding runs with tensor_parallel_size=1 for now")
     spec.check_model(model.hf_config, model.entry.architecture, model.path)

@@ -14,33 +14,32 @@ next step, once their next tokens are known (`Sequence.drafter_backlog`). Each s
 Drafts are the drafter's argmax: the verifier treats them as draws from a one-hot
 distribution, which keeps the output exact (verifier.py).
 
-A drafter (mtp.MtpDrafter, eagle3.Eagle3Drafter) offers `forward(input_ids, positions,
+A drafter (mtp.MtpDrafter, qwen3_next_mtp.Qwen3NextMtpDrafter, eagle3.Eagle3Drafter) offers `forward(input_ids, positions,
 hidden, step) -> (output, state)`, `draft_tokens(output rows, step)` in the target's
 vocabulary, and `target_features(final hidden)`: what it reads of the target's step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch import nn
 
 from atom.engine.sequence import Sequence
 from atom.engine.step_arrays import StepInput
-from atom.forward_context import set_forward_context
+
+# One drafter forward over a StepInput list, the hidden states it reads and the draft step;
+# it drafts from the given rows of its output: (their tokens, their states for the next step).
+DraftForward = Callable[
+    [list[StepInput], torch.Tensor, int, list[int]], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 class Proposer:
-    def __init__(self, drafter: nn.Module, prepare):
-        """prepare: the runner's StepInput list -> (input_ids, positions, metadata)."""
-        self.drafter = drafter
-        self.prepare = prepare
-
-    def _forward(
-        self, inputs: list[StepInput], hidden: torch.Tensor, step: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, positions, metadata = self.prepare(inputs)
-        with set_forward_context(metadata):
-            return self.drafter(input_ids, positions, hidden, step)
+    def __init__(self, forward: DraftForward):
+        """forward: runs on every rank (the executor's), so that a tensor-parallel drafter's
+        collectives meet."""
+        self._forward = forward
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
@@ -63,12 +62,10 @@ class Proposer:
             )
             hidden.append(rows)
             last_rows.append(sum(len(h) for h in hidden) - 1)
-        output, recycled = self._forward(inputs, torch.cat(hidden), 0)
         drafting = [(i, row) for i, row in zip(order, last_rows) if num_drafts[i] > 0]
+        tokens, state = self._forward(inputs, torch.cat(hidden), 0, [row for _, row in drafting])
         if not drafting:
             return drafts
-        rows = torch.tensor([row for _, row in drafting], device=output.device)
-        tokens, state = self.drafter.draft_tokens(output[rows], 0), recycled[rows]
         ids = [i for i, _ in drafting]
         for step in range(1, max(num_drafts[i] for i in ids) + 1):
             for i, token in zip(ids, tokens.tolist()):
@@ -78,13 +75,12 @@ class Proposer:
                 break
             if len(keep) < len(ids):
                 index = torch.tensor(keep, device=tokens.device)
-                tokens, state = tokens[index], state[index]
+                state = state[index]
                 ids = [ids[j] for j in keep]
             inputs = [
                 # Token q + step, at position q + step - 1 (q: the last known token's).
                 StepInput([drafts[i][-1]], len(seqs[i].token_ids) + step - 2, seqs[i].block_tables)
                 for i in ids
             ]
-            output, state = self._forward(inputs, state, step)
-            tokens = self.drafter.draft_tokens(output, step)
+            tokens, state = self._forward(inputs, state, step, list(range(len(ids))))
         return drafts
