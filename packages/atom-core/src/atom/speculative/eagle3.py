@@ -33,6 +33,7 @@ from atom.loader import (
     process_weights_after_loading,
 )
 from atom.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from atom.speculative.aux_hidden import AuxHiddenStates, default_aux_layer_ids
 
 EAGLE3_TARGETS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
@@ -42,8 +43,7 @@ def aux_layer_ids(config: Any, num_target_layers: int) -> tuple[int, ...]:
     ids = eagle.get("eagle_aux_hidden_state_layer_ids") or getattr(
         config, "eagle_aux_hidden_state_layer_ids", None
     )
-    n = num_target_layers
-    return tuple(ids) if ids else (2, n // 2, n - 3)
+    return tuple(ids) if ids else default_aux_layer_ids(num_target_layers)
 
 
 def read_drafter_config(folder: str, target_config: Any, architecture: str) -> Any:
@@ -134,33 +134,10 @@ class Eagle3Drafter(nn.Module):
             self.embed = self.embed_tokens.forward
         else:
             self.embed = target.model.embed_tokens.forward
-        self._captured: dict[int, torch.Tensor] = {}
-        self._capture_target_layers(target.model.layers)
-
-    def _capture_target_layers(self, layers: nn.ModuleList) -> None:
-        """Records the residual stream entering target layer i (or leaving the last)."""
-
-        def entering(index):
-            def hook(_module, args):
-                _, hidden, residual = args
-                self._captured[index] = hidden if residual is None else hidden + residual
-
-            return hook
-
-        def leaving(_module, _args, output):
-            hidden, residual = output
-            self._captured[len(layers)] = hidden + residual
-
-        for index in set(self.aux_layers):
-            if index == len(layers):
-                layers[-1].register_forward_hook(leaving)
-            else:
-                layers[index].register_forward_pre_hook(entering(index))
+        self.aux_hidden = AuxHiddenStates(target.model.layers, self.aux_layers)
 
     def target_features(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        features = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
-        self._captured.clear()
-        return self.fc(features)
+        return self.fc(torch.cat(self.aux_hidden.take(), dim=-1))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, step: int

@@ -2,8 +2,10 @@
 
 `atom.testing.tiny_configs` makes tiny random HF configs and checkpoints;
 `atom.testing.references` gives random prompts and HF greedy tokens;
-`atom.testing.mtp_checkpoints` writes checkpoints with an MTP drafter (speculative
-decoding, native engine and hosts); `atom.testing.servers` waits for a server a test started. Nothing here imports a host,
+`atom.testing.mtp_checkpoints` writes checkpoints with an MTP drafter and
+`atom.testing.eagle3_checkpoints` targets with an EAGLE-3 drafter (speculative decoding,
+native engine and hosts); `atom.testing.servers` waits for a server a test started.
+Nothing here imports a host,
 and torch / transformers are imported only when a checkpoint is made.
 """
 

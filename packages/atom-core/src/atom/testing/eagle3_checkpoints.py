@@ -1,4 +1,5 @@
-"""Tiny Llama / Qwen3 targets and EAGLE-3 drafters in their own folders, written here.
+"""Tiny Llama / Qwen3 targets and EAGLE-3 drafters in their own folders, for the native
+engine's and the vLLM plugin's speculative-decoding tests.
 
 `repeat` drafter: it reads the target's last-layer output (aux layer N), passes it
 through (fc the identity, o_proj and down_proj zero) and scores it with the target's own
@@ -9,6 +10,7 @@ aux layers and a draft vocabulary of half the target's, mapped back by `d2t`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -20,16 +22,19 @@ from atom.testing.tiny_configs import tiny_config, write_checkpoint
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 64, 4, 2, 16, 256, 4
 
 
-def write_target(architecture: str, folder: Path, lean: float) -> Path:
+def write_target(
+    architecture: str, folder: Path, lean: float, vocab_size: int = VOCAB, head_dim: int = HEAD_DIM
+) -> Path:
+    """head_dim: vLLM's CPU attention needs 32 or more."""
     config = tiny_config(
         architecture,
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=HIDDEN,
         intermediate_size=96,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
+        head_dim=head_dim,
         tie_word_embeddings=False,
     )
     write_checkpoint(config, folder, init_std=0.1)
@@ -42,7 +47,8 @@ def write_target(architecture: str, folder: Path, lean: float) -> Path:
 
 def write_drafter(target: Path, folder: Path, kind: str) -> Path:
     if kind == "random":
-        return write_random_eagle3_drafter(target, folder, VOCAB // 2, std=0.1, seed=9)
+        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+        return write_random_eagle3_drafter(target, folder, vocab // 2, std=0.1, seed=9)
     write_random_eagle3_drafter(target, folder, aux_layer_ids=[LAYERS])
     path = folder / "model.safetensors"
     tensors = load_file(path)
