@@ -1,6 +1,7 @@
 """Speculative decoding with a checkpoint's MTP layer gives, token for token, the
 native engine's greedy output without it: through chunked prefill, prefix hits and
-preemption, with drafts that are mostly accepted and drafts that are always rejected. On
+preemption, with drafts that are mostly accepted and drafts that are always rejected
+(DeepSeek-V3.2 and GLM-5: the MTP layer runs its own sparse-attention indexer). On
 Qwen3-Next and Qwen3.5, a verify step that rejects drafts rolls the DeltaNet states back."""
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def engine(folder, speculative: bool, **kwargs) -> LLM:
     [
         ("deepseek-v3", "repeat"),
         ("glm-4.5", "repeat"),
+        ("deepseek-v3.2", "repeat"),
+        ("glm-5", "repeat"),
         ("qwen3-next", "repeat"),
         ("qwen3.5-moe", "repeat"),
         ("deepseek-v3", "random"),

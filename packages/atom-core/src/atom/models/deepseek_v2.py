@@ -94,10 +94,10 @@ def mla_arguments(config: Any, quant_config, prefix: str) -> dict[str, Any]:
 
 def _is_moe_layer(config: Any, index: int) -> bool:
     # Newer configs (V3.2, GLM-5) list each layer's MLP kind; older ones give the first
-    # dense layers and a frequency.
+    # dense layers and a frequency. MTP layers (after the listed ones) are MoE layers.
     kinds = getattr(config, "mlp_layer_types", None)
     if kinds is not None:
-        return kinds[index] == "sparse"
+        return index >= len(kinds) or kinds[index] == "sparse"
     return bool(
         config.n_routed_experts
         and index >= config.first_k_dense_replace

@@ -61,17 +61,23 @@ class DeepseekV32DecoderLayer(DeepseekV2DecoderLayer):
     indexer_rope_interleaved = False
 
     def build_attention(
-        self, config: Any, quant_config, prefix: str, shared: SharedSelection
+        self, config: Any, quant_config, prefix: str, shared: SharedSelection | None = None
     ) -> nn.Module:
+        """shared: the model's selection, which "shared" layers reuse; None for an MTP layer
+        (after the model's layers), which runs its own indexer."""
+        kinds, index = indexer_types(config), layer_index(prefix)
         indexer = None
-        if indexer_types(config)[layer_index(prefix)] == "full":
+        if index >= len(kinds) or kinds[index] == "full":
             indexer = dict(
                 num_heads=config.index_n_heads,
                 head_dim=config.index_head_dim,
                 rope_interleaved=self.indexer_rope_interleaved,
             )
         return SparseLatentAttention(
-            mla_arguments(config, quant_config, prefix), config.index_topk, indexer, shared
+            mla_arguments(config, quant_config, prefix),
+            config.index_topk,
+            indexer,
+            shared or SharedSelection(),
         )
 
 

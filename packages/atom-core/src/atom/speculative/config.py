@@ -12,7 +12,11 @@ METHODS = ("mtp", "eagle3")
 # Architectures whose checkpoints carry MTP layers ATOM runs (`num_nextn_predict_layers`
 # of them) after their decoder layers: whether the next draft reads the layer's normed
 # output (mtp.MtpDrafter).
-MTP_RECYCLES_NORMED = {"DeepseekV3ForCausalLM": True, "Glm4MoeForCausalLM": False}
+# GLM-5's MTP is DeepSeek-V3.2's (vLLM 0.32 runs both as DeepseekV32MTPModel).
+MTP_RECYCLES_NORMED = {
+    "DeepseekV3ForCausalLM": True, "DeepseekV32ForCausalLM": True,
+    "GlmMoeDsaForCausalLM": True, "Glm4MoeForCausalLM": False,
+}  # fmt: skip
 # Architectures whose checkpoints carry an `mtp.*` module (qwen3_next_mtp).
 MTP_MODULE = (
     "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",

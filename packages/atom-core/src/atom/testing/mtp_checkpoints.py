@@ -21,7 +21,9 @@ from safetensors.torch import load_file, save_file
 
 from atom.testing.tiny_configs import tiny_config, write_checkpoint
 
-REPEAT_LEAN = 1.0
+# How far the target's head leans towards the embedding (see `repeat` above): enough for
+# a third or more of a random target's tokens to repeat.
+REPEAT_LEAN = {"deepseek-v3.2": 2.0, "glm-5": 2.0}
 QWEN3_NEXT_EMBED_SCALE = 4.0
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_nextn_predict_layers=1)
 # Families whose MTP layers are an `mtp.*` module (atom.speculative.qwen3_next_mtp).
@@ -41,6 +43,21 @@ CONFIGS = {
     ),
     "glm-4.5": lambda layers: tiny_config(
         "Glm4MoeForCausalLM", **SMALL, num_hidden_layers=layers, moe_intermediate_size=48
+    ),
+    "deepseek-v3.2": lambda layers: tiny_config(
+        "DeepseekV32ForCausalLM",
+        **SMALL,
+        num_hidden_layers=layers,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+    ),
+    "glm-5": lambda layers: tiny_config(
+        "GlmMoeDsaForCausalLM",
+        **SMALL,
+        num_hidden_layers=layers,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        indexer_types=["full", "shared", "full"][:layers],
     ),
 }
 
@@ -67,7 +84,8 @@ def write_mtp_checkpoint(
         )
         tensors[f"{mtp}shared_head.head.weight"] = tensors["model.embed_tokens.weight"].clone()
         # The target's head leans the same way, so its output repeats often, not always.
-        tensors["lm_head.weight"] += tensors["model.embed_tokens.weight"] * REPEAT_LEAN
+        lean = REPEAT_LEAN.get(family, 1.0)
+        tensors["lm_head.weight"] += tensors["model.embed_tokens.weight"] * lean
     else:
         tensors[f"{mtp}eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
         head = torch.randn(vocab_size, hidden, generator=gen) * 0.1
@@ -78,6 +96,9 @@ def write_mtp_checkpoint(
     save_file(tensors, path, metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config["num_hidden_layers"] = num_layers
+    for per_layer in ("layer_types", "mlp_layer_types", "indexer_types"):
+        if isinstance(config.get(per_layer), list):
+            config[per_layer] = config[per_layer][:num_layers]
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -103,7 +124,7 @@ def _write_mtp_module(architecture: str, folder: Path, drafter: str, vocab_size:
         # A larger embedding leads the target's residual stream, so that with the lean
         # head its output repeats often.
         tensors["model.embed_tokens.weight"] *= QWEN3_NEXT_EMBED_SCALE
-        tensors["lm_head.weight"] += tensors["model.embed_tokens.weight"] * REPEAT_LEAN
+        tensors["lm_head.weight"] += tensors["model.embed_tokens.weight"]
     else:
         gen = torch.Generator().manual_seed(5)
         tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
