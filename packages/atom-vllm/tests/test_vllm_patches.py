@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 import pkgutil
 
 import pytest
@@ -93,3 +96,131 @@ def test_config_hooks_keep_vllm_own_hook(fresh_plugin, monkeypatch):
     assert hook.atom_wrapped is VllmHook
     hook.verify_and_update_config(config := type("Cfg", (), {"model_config": None})())
     assert seen == [config]
+
+
+# What atom-vllm reads, calls, overrides or inherits on vLLM objects beyond its imports (an
+# import that breaks fails these modules' collection). Checked on vLLM 0.32.0 and, from the
+# wheel's source, 0.33.0: docs/hosts/vllm-0.33.md.
+VLLM_NAMES = [
+    # backend.py: the backend, builder and impl contract.
+    "vllm.v1.attention.backend:AttentionBackend.forward_includes_kv_cache_update",
+    "vllm.v1.attention.backend:AttentionBackend.supported_dtypes",
+    "vllm.v1.attention.backend:AttentionBackend.supported_kv_cache_dtypes",
+    "vllm.v1.attention.backend:AttentionBackend.get_supported_kernel_block_sizes",
+    "vllm.v1.attention.backend:AttentionBackend.supports_attn_type",
+    "vllm.v1.attention.backend:AttentionBackend.supports_kv_cache_dtype",
+    "vllm.v1.attention.backend:AttentionBackend.supports_sliding_window",
+    "vllm.v1.attention.backend:AttentionBackend.supports_sink",
+    "vllm.v1.attention.backend:AttentionBackend.is_mla",
+    "vllm.v1.attention.backend:AttentionBackend.is_ssm",
+    "vllm.v1.attention.backend:AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE",
+    "vllm.v1.attention.backend:AttentionMetadataBuilder.reorder_batch_threshold",
+    "vllm.v1.attention.backend:AttentionMetadataBuilder._cudagraph_support",
+    "vllm.v1.attention.backend:AttentionMetadataBuilder._init_reorder_batch_threshold",
+    "vllm.v1.attention.backend:AttentionType.DECODER",
+    "vllm.v1.attention.backend:CommonAttentionMetadata.positions",
+    "vllm.v1.attention.backend:CommonAttentionMetadata.compute_num_computed_tokens",
+    "vllm.v1.kv_cache_interface:MambaSpec.num_speculative_blocks",
+    # attention_layer.py, state_layer.py: ATOM's own layers of vLLM's layer kinds. vLLM 0.33
+    # reads is_draft_layer on every layer when it builds the KV-cache specs.
+    "vllm.model_executor.layers.attention:Attention.get_kv_cache_spec",
+    "vllm.model_executor.layers.attention_layer_base:AttentionLayerBase.is_draft_layer",
+    "vllm.model_executor.layers.mamba.abstract:MambaBase.bind_kv_cache",
+    "vllm.model_executor.layers.mamba.abstract:MambaBase.get_kv_cache_spec",
+    "vllm.v1.attention.backends.registry:MambaAttentionBackendEnum.GDN_ATTN",
+    # model.py: the model interfaces vLLM inspects on the wrapper classes.
+    "vllm.model_executor.models.interfaces:IsHybrid.get_mamba_state_shape_from_config",
+    "vllm.model_executor.models.interfaces:IsHybrid.get_mamba_state_copy_funcs",
+    "vllm.model_executor.models.interfaces:SupportsEagle3.set_aux_hidden_state_layers",
+    "vllm.model_executor.models.interfaces:SupportsEagle3.get_eagle3_default_aux_hidden_state_layers",
+    "vllm.model_executor.layers.mamba.mamba_utils:MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func",
+    # mtp.py: the draft architectures vLLM's speculative config asks for (method "mtp").
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.model_returns_tuple",
+    # step.py, distributed.py.
+    "vllm.forward_context:ForwardContext.attn_metadata",
+    "vllm.distributed.parallel_state:GroupCoordinator.all_reduce",
+    "vllm.distributed.parallel_state:GroupCoordinator.all_gather",
+    # config.py, patches.py, backend.py: the config fields read or set.
+    "vllm.config:VllmConfig.lora_config",
+    "vllm.config:VllmConfig.speculative_config",
+    "vllm.config:VllmConfig.num_speculative_tokens",
+    "vllm.config:ModelConfig.model_impl",
+    "vllm.config:ModelConfig.hf_config",
+    "vllm.config:ModelConfig.hf_text_config",
+    "vllm.config:ModelConfig.quantization",
+    "vllm.config:ModelConfig.architecture",
+    "vllm.config:ParallelConfig.pipeline_parallel_size",
+    "vllm.config:ParallelConfig.enable_expert_parallel",
+    "vllm.config:CacheConfig.cache_dtype",
+    "vllm.config:CacheConfig.enable_prefix_caching",
+    "vllm.config:CacheConfig.mamba_cache_mode",
+    "vllm.config:CacheConfig.mamba_cache_dtype",
+    "vllm.config:CacheConfig.mamba_ssm_cache_dtype",
+    "vllm.config:CompilationConfig.max_cudagraph_capture_size",
+    "vllm.config:CompilationConfig.cudagraph_capture_sizes",
+    "vllm.config:CompilationConfig.cudagraph_mode",
+    "vllm.config:CompilationConfig.static_forward_context",
+    "vllm.config:SchedulerConfig.max_num_batched_tokens",
+    "vllm.config:SpeculativeConfig.draft_model_config",
+    # Patch 2 under vLLM's model runner V2 (the default on GPUs): the model is built before
+    # the runner resolves the CUDA-graph mode at KV-cache initialisation.
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.initialize_kv_cache",
+]
+
+
+def has_vllm_name(name: str) -> bool:
+    """`module:Qualified.name` is an attribute or a dataclass field of vLLM's."""
+    module, _, qualname = name.partition(":")
+    *path, last = qualname.split(".")
+    owner = importlib.import_module(module)
+    for part in path:
+        owner = getattr(owner, part)
+    fields = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else ()
+    return hasattr(owner, last) or last in fields
+
+
+@pytest.mark.parametrize("name", VLLM_NAMES)
+def test_vllm_names_atom_vllm_relies_on_exist(name):
+    assert has_vllm_name(name), name
+
+
+# The parameters atom-vllm passes by name, or takes in an override vLLM calls.
+VLLM_PARAMETERS = {
+    "vllm.model_executor.layers.attention:Attention.__init__": (
+        "num_heads", "head_size", "scale", "num_kv_heads", "cache_config",
+        "per_layer_sliding_window", "prefix", "attn_backend", "head_size_v"),
+    "vllm.v1.attention.backend:AttentionImpl.forward": (
+        "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
+        "output_scale", "output_block_scale"),
+    "vllm.v1.attention.backend:AttentionMetadataBuilder.__init__": (
+        "kv_cache_spec", "layer_names", "vllm_config", "device"),
+    "vllm.v1.attention.backend:AttentionMetadataBuilder.build": (
+        "common_prefix_len", "common_attn_metadata", "fast_build"),
+    "vllm.v1.attention.backends.utils:split_decodes_and_prefills": (
+        "common_attn_metadata", "decode_threshold"),
+    "vllm.v1.attention.backend:CommonAttentionMetadata": (
+        "query_start_loc", "query_start_loc_cpu", "seq_lens", "num_reqs", "num_actual_tokens",
+        "max_query_len", "max_seq_len", "block_table_tensor", "slot_mapping"),
+    "vllm.v1.kv_cache_interface:MLAAttentionSpec": (
+        "block_size", "num_kv_heads", "head_size", "dtype", "cache_dtype_str"),
+    "vllm.utils.torch_utils:kv_cache_dtype_str_to_dtype": ("kv_cache_dtype", "model_config"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", VLLM_PARAMETERS)
+def test_vllm_parameters_atom_vllm_relies_on_exist(name):
+    parameters = inspect.signature(pkgutil.resolve_name(name)).parameters
+    assert set(VLLM_PARAMETERS[name]) <= set(parameters), name
+
+
+def test_attention_impl_takes_vllm_positional_arguments():
+    """vLLM's `Attention` builds the impl with ten positional arguments, in the order of
+    `AttentionImpl.__init__`; ATOM's impl takes them in the same order."""
+    from vllm.v1.attention.backend import AttentionImpl
+
+    from atom_vllm.backend import AtomAttentionImpl
+
+    vllm_order = list(inspect.signature(AttentionImpl.__init__).parameters)[1:]
+    atom_order = list(inspect.signature(AtomAttentionImpl.__init__).parameters)[1:]
+    assert atom_order[: len(vllm_order)] == vllm_order

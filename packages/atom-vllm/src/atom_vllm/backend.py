@@ -306,9 +306,12 @@ class AtomStateMetadataBuilder(AtomAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         mode = vllm_config.cache_config.mamba_cache_mode
-        if mode != "none":  # the wrapper turns "align" off for ATOM's hybrid models
+        if mode != "none":  # patch 3 turns prefix caching off for ATOM's hybrid models
+            # vLLM derives the mode from enable_prefix_caching ("align" when on); 0.33
+            # ignores --mamba-cache-mode.
             raise NotImplementedError(
-                f"ATOM's state backend needs mamba_cache_mode='none', got {mode!r}"
+                "ATOM's state backend needs mamba_cache_mode='none' (prefix caching off), "
+                f"got {mode!r}"
             )
         if getattr(kv_cache_spec, "num_speculative_blocks", 0):
             # Draft tokens would need a state block each; ATOM keeps one per request.

