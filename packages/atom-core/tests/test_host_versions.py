@@ -50,3 +50,15 @@ def test_an_explicit_request_outside_the_range_is_an_error_naming_both_versions(
 
 def test_inside_the_range_says_nothing():
     assert check_host_version(VLLM, "0.32.0", True, lambda *a, **k: pytest.fail("logged"))
+
+
+def test_the_newest_host_check_runs_outside_the_range_after_one_line(monkeypatch):
+    monkeypatch.setenv("ATOM_TRY_UNTESTED_HOST", "1")
+    said = []
+    assert check_host_version(VLLM, "0.34.1", True, lambda *a, **k: said.append((a, k)))
+    ((args, kwargs),) = said
+    assert args[0] % args[1:] == (
+        "vLLM 0.34.1 is outside the range atom-vllm was tested on (vLLM >=0.32,<0.33): "
+        "ATOM runs on it (ATOM_TRY_UNTESTED_HOST=1)"
+    )
+    assert kwargs["level"] == logging.WARNING

@@ -18,6 +18,8 @@ from typing import Any
 
 from atom.registry import ModelEntry, all_models, get_entry
 
+TRY_UNTESTED_HOST_ENV = "ATOM_TRY_UNTESTED_HOST"
+
 
 def env_flag(name: str) -> bool:
     """True when environment variable `name` is 1 / true / yes."""
@@ -71,10 +73,15 @@ def check_host_version(
     supported: HostRange, version: str, requested: bool, say: Callable[..., None]
 ) -> bool:
     """True when `version` is in the tested range. Outside it, a user who `requested` ATOM
-    explicitly gets `UnsupportedHostVersion`; anyone else one log line, and False."""
+    explicitly gets `UnsupportedHostVersion`; anyone else one log line, and False. With
+    TRY_UNTESTED_HOST_ENV set (the newest-host check: `nox -s newest_hosts`), ATOM runs
+    outside the range too, after one warning line."""
     if supported.admits(version):
         return True
     refusal = supported.refusal(version)
+    if env_flag(TRY_UNTESTED_HOST_ENV):
+        say("%s: ATOM runs on it (%s=1)", refusal, TRY_UNTESTED_HOST_ENV, level=logging.WARNING)
+        return True
     if requested:
         raise UnsupportedHostVersion(
             f"{refusal}: ATOM was requested but cannot run on it; install "
