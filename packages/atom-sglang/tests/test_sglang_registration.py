@@ -26,7 +26,7 @@ from atom_sglang.patches import SUPPORT_TRITON
 
 REFUSAL = (
     r"SGLang 0\.5\.17 is outside the range atom-sglang was tested on "
-    r"\(SGLang >=0\.5\.21,<0\.5\.22\)"
+    r"\(SGLang >=0\.5\.21,<0\.5\.24\)"
 )
 
 
@@ -108,7 +108,7 @@ def test_register_checks_the_installed_sglang_version():
 
     assert atom_sglang.sglang_version() == version("sglang")
     assert atom_sglang.SUPPORTED.admits(atom_sglang.sglang_version())
-    assert str(atom_sglang.SUPPORTED) == ">=0.5.21,<0.5.22"
+    assert str(atom_sglang.SUPPORTED) == ">=0.5.21,<0.5.24"
 
 
 def test_explicit_request_on_supported_version_registers(fresh_plugin, monkeypatch):

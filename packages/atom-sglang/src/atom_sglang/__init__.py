@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 DISABLE_ENV = "ATOM_DISABLE_SGLANG_PLUGIN"
 BACKEND_ONLY_ENV = "ATOM_SGLANG_BACKEND_ONLY"  # "1": the "atom" backend, SGLang's models
 BACKEND_NAME = "atom"
-SUPPORTED = HostRange("SGLang", "0.5.21", "0.5.22")
+SUPPORTED = HostRange("SGLang", "0.5.21", "0.5.24")
 
 logger = logging.getLogger("sglang.atom_sglang")
 
