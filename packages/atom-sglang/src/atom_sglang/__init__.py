@@ -8,8 +8,9 @@ that load plugins (the engine's main process and each scheduler). It
 * overrides SGLang's model-registry entries of every architecture `atom.registry` marks
   SGLang-capable with ATOM's wrapper class (`atom_sglang.model.AtomForCausalLM`);
 * registers the hooks listed in `atom_sglang.patches`: `support_triton` on SGLang's
-  CPU engine, and, where ATOM serves GPT-OSS, the wrapper of SGLang's model step that
-  lets the "atom" backend pass its sinks-and-sliding-window check.
+  CPU engine where SGLang answers it by the backend's name (0.5.21), and, where ATOM
+  serves GPT-OSS, the wrapper of SGLang's model step that lets the "atom" backend pass
+  its sinks-and-sliding-window check.
 
 Before anything, it checks the installed SGLang against `SUPPORTED` (the tested range).
 Outside it, ATOM stays out of SGLang's way (one log line, nothing registered), unless
