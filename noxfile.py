@@ -85,32 +85,49 @@ def tests_vllm(session: nox.Session) -> None:
     run_suite(session, ROOT / "packages" / "atom-vllm" / "tests")
 
 
-# SGLang 0.5.21's CPU engine: its plain-Python dependencies (the wheel itself pins CUDA
-# packages, so it is installed without dependencies). Versions pinned where SGLang pins
-# them and the CPU engine imports them.
+# SGLang's CPU engine: its plain-Python dependencies (the wheels themselves pin CUDA
+# packages, so SGLang is installed without dependencies). Where an SGLang version pins one
+# that its CPU engine imports, the pin is in SGLANG_TESTED instead.
 SGLANG_DEPS = (
     "numpy", "orjson", "psutil", "pybase64", "requests", "packaging", "pillow", "starlette",
     "msgspec", "pydantic", "pyzmq", "tqdm", "ipython", "aiohttp", "uvloop", "dill",
-    "apache-tvm-ffi==0.1.11", "sentencepiece", "compressed-tensors==0.18.0", "gguf",
-    "openai==2.6.1", "partial_json_parser", "uvicorn", "fastapi", "setproctitle", "einops",
-    "safetensors",
+    "apache-tvm-ffi==0.1.11", "compressed-tensors==0.18.0", "gguf", "partial_json_parser",
+    "uvicorn", "fastapi", "setproctitle", "einops", "safetensors",
     # `sglang.launch_server`'s HTTP front end (test_sglang_server.py) imports these too.
-    "jsonschema", "soundfile", "python-multipart",
+    "jsonschema", "python-multipart",
 )  # fmt: skip
-# Imported by SGLang but coupled to torch: installed without dependencies.
-SGLANG_NO_DEPS = ("sglang==0.5.21", "triton==3.6.0", "torchvision==0.28.0", "xgrammar==0.2.7")
+# The SGLang versions `nox -s tests_sglang` runs, the ends of atom-sglang's declared range
+# (packages/atom-sglang/pyproject.toml; atom-core's tests/test_repo_tooling.py checks they
+# agree), each with its wheel's pins that its CPU engine imports. 0.5.22 is not tested.
+SGLANG_TESTED = {
+    "0.5.21": ("transformers==5.12.1", "openai==2.6.1", "sentencepiece", "soundfile"),
+    "0.5.23": (
+        "transformers==5.19.0", "tokenizers==0.23.2", "openai==2.8.0", "sentencepiece==0.2.1",
+        "soundfile==0.13.1",
+    ),
+}  # fmt: skip
+# Imported by SGLang but coupled to torch: installed without dependencies (the builds that
+# go with torch 2.13, for every SGLang version).
+SGLANG_NO_DEPS = ("triton==3.6.0", "torchvision==0.28.0", "xgrammar==0.2.7")
 
 
 @nox.session(python="3.11")
-def tests_sglang(session: nox.Session) -> None:
-    """atom-sglang against SGLang 0.5.21's CPU engine on torch 2.13.0+cpu.
+@nox.parametrize("sglang", list(SGLANG_TESTED))
+def tests_sglang(session: nox.Session, sglang: str) -> None:
+    """atom-sglang against SGLang's CPU engine, once per tested SGLang version (0.5.21 and
+    0.5.23), each with the pins of its wheel (SGLANG_TESTED).
+
+    `nox -s tests_sglang` runs both; one alone: `nox -s "tests_sglang(sglang='0.5.23')"`.
+    Both run on torch 2.13.0+cpu: SGLang 0.5.23's wheel pins torch 2.14.1, which has no CPU
+    wheel on the index CI uses (only a CUDA build); 0.5.23's CPU engine imports and runs on
+    torch 2.13.
 
     pip, not uv: `torch==2.13.0` resolves to the local CPU wheel only through pip's
     configuration here. The run-time workarounds (stub sgl_kernel, torchvision op
     schemas, the CPU engine switch) live in packages/atom-sglang/tests/sglang_cpu_support.py.
     """
-    session.install(TORCH, TRANSFORMERS, *SGLANG_DEPS, "pytest")
-    session.install("--no-deps", *SGLANG_NO_DEPS)
+    session.install(TORCH, *SGLANG_TESTED[sglang], *SGLANG_DEPS, "pytest")
+    session.install("--no-deps", f"sglang=={sglang}", *SGLANG_NO_DEPS)
     session.install("--no-deps", *editable(CORE), *editable(ROOT / "packages" / "atom-sglang"))
     run_suite(session, ROOT / "packages" / "atom-sglang" / "tests")
 

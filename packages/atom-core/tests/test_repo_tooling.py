@@ -116,6 +116,42 @@ def test_declared_transformers_range_is_tested_at_both_ends():
     }
 
 
+def test_declared_sglang_range_is_tested_at_both_ends():
+    """atom-sglang's SGLang range (its pyproject, the `SUPPORTED` range its register() checks,
+    the version rows of both READMEs) starts at the lowest SGLang `nox -s tests_sglang`
+    runs and stops right after the highest one, so no untested release above it is
+    allowed; the READMEs name every tested version."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    nox_module = ast.parse((ROOT / "noxfile.py").read_text())
+    (tested,) = [
+        ast.literal_eval(node.value)
+        for node in nox_module.body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["SGLANG_TESTED"]
+    ]
+    tested = sorted(map(Version, tested))
+    low, high = tested[0], tested[-1]
+    stop = f"{high.major}.{high.minor}.{high.micro + 1}"
+    plugin = ROOT / "packages" / "atom-sglang"
+    project = tomllib.loads((plugin / "pyproject.toml").read_text())["project"]
+    (spec,) = [
+        Requirement(d).specifier for d in project["dependencies"] if Requirement(d).name == "sglang"
+    ]
+    assert {(s.operator, s.version) for s in spec} == {(">=", str(low)), ("<", stop)}
+    source = (plugin / "src" / "atom_sglang" / "__init__.py").read_text()
+    assert f'SUPPORTED = HostRange("SGLang", "{low}", "{stop}")' in source
+    declared = f"`>={low},<{stop}`"
+    for readme in (ROOT / "README.md", plugin / "README.md"):
+        rows = readme.read_text().splitlines()
+        (row,) = [r for r in rows if r.startswith(("| `atom-sglang` | SGLang |", "| SGLang | `"))]
+        assert declared in row, (readme, row)
+        assert all(str(v) in row.replace(declared, "") for v in tested), (readme, row)
+
+
 def test_every_package_declares_the_same_python():
     import tomllib
 

@@ -57,6 +57,9 @@ def make_batch(prefix_lens, new_lens, page_size, num_slots, seed=0):
         out_cache_loc=torch.tensor(out_loc),
         extend_seq_lens=torch.tensor(new_lens, dtype=torch.int32),
         extend_seq_lens_cpu=list(new_lens),
+        # ForwardBatch's default: no padding of the step's tokens (MLP sync). SGLang
+        # 0.5.23's RadixAttention reads it on every extend step.
+        global_num_token_non_padded_cpu=None,
     )
     return req_to_token, batch
 

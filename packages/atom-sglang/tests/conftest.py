@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("sglang") is None:  # these tests need SGLang 0.5.21
+if importlib.util.find_spec("sglang") is None:  # these tests need SGLang 0.5.21 or 0.5.23
     collect_ignore_glob = ["test_*.py"]
 else:
     import sglang_cpu_support
@@ -41,12 +41,12 @@ def fresh_plugin(monkeypatch):
 
     import atom_sglang
     from atom_sglang import guard
-    from atom_sglang.patches import SUPPORT_TRITON
 
     models = dict(ModelRegistry.models)
     backends = dict(ATTENTION_BACKENDS)
     choices = list(ATTENTION_BACKEND_CHOICES)
     steps = {name: list(hooks) for name, hooks in resolution_hooks._HOOKS.items()}
+    host_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
     monkeypatch.setattr(atom_sglang, "_registered", None)
     monkeypatch.setattr(guard, "_installed", False)
     for name in ("ATOM_DISABLE_SGLANG_PLUGIN", "ATOM_SGLANG_BACKEND_ONLY"):
@@ -59,7 +59,8 @@ def fresh_plugin(monkeypatch):
     ATTENTION_BACKEND_CHOICES[:] = choices
     resolution_hooks._HOOKS.clear()
     resolution_hooks._HOOKS.update(steps)
-    HookRegistry._hooks.pop(SUPPORT_TRITON, None)
+    HookRegistry._hooks.clear()
+    HookRegistry._hooks.update(host_hooks)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""Every workaround that SGLang 0.5.21's engine needs on a CPU-only test machine (each one
-re-checked on 0.5.21: without 2 or 3 its import fails; its source still reads 1 and
-imports triton unconditionally, 4).
+"""Every workaround that SGLang's engine (0.5.21 and 0.5.23) needs on a CPU-only test machine
+(each one re-checked on both: without 2 or 3 its import fails; its source still reads 1
+and imports triton unconditionally, 4).
 
 Used only by these tests; atom_sglang itself needs none of it. `install()` runs in each
 process that imports SGLang: the pytest process (conftest.py), each engine job's main

@@ -1,4 +1,4 @@
-"""SGLang 0.5.21's CPU engine with atom-sglang, end to end, on tiny random fp32 checkpoints.
+"""SGLang's CPU engine (0.5.21, 0.5.23) with atom-sglang, end to end, on tiny random fp32 checkpoints.
 
 One engine per configuration, each serving every check of that configuration (a start
 costs 20-45 s here); all engines run in one module fixture, in two processes (plugin on /
@@ -49,7 +49,8 @@ REFERENCE = {
     "Glm4MoeForCausalLM": (STOCK, PLUGIN_OFF),
 }
 # SGLang's own DeepSeek and MiniMax-M2 do not run on its CPU engine with these
-# checkpoints (the reasons still in 0.5.21's source), so ATOM's are compared with HF only:
+# checkpoints (the reasons still in 0.5.21's and 0.5.23's source), so ATOM's are compared
+# with HF only:
 HF_ONLY = {
     # get_rope_cpu() asserts rope scaling: its CPU rotary path only has DeepSeek-YaRN.
     "DeepseekV2ForCausalLM": "SGLang's CPU rope requires rope_scaling",
@@ -62,7 +63,7 @@ HF_ONLY = {
     # SGLang takes GPT-OSS only on backends with sinks and sliding windows; on the CPU
     # engine that is intel_amx, which this CPU (no AMX) replaces with torch_native (it
     # has neither). Its model also reads config.swiglu_limit, which transformers 5.12's
-    # GptOssConfig does not define (AttributeError while building the layers).
+    # GptOssConfig does not define (5.19's, SGLang 0.5.23's pin, does) (AttributeError while building the layers).
     "GptOssForCausalLM": "SGLang's CPU GPT-OSS needs AMX and config.swiglu_limit",
 }
 # Sliding-window and full layers: SGLang serves them from its hybrid SWA pool, whose

@@ -1,4 +1,4 @@
-"""SGLang 0.5.21's CPU engine with atom-sglang on ATOM's hybrid models (Gated DeltaNet +
+"""SGLang's CPU engine (0.5.21, 0.5.23) with atom-sglang on ATOM's hybrid models (Gated DeltaNet +
 attention layers): the DeltaNet states live in SGLang's own mamba pool (one row per
 request, `HybridReqToTokenPool`), ATOM's kernels read them through ATOM's metadata, and
 greedy tokens equal HF transformers' for a mixed-length batch and for requests sharing

@@ -108,3 +108,18 @@ def test_atom_layers_never_read_sglangs_batch(kind, prefix_lens, new_lens):
         readers = {m for m in batch.readers if not m.startswith(BATCH_READERS)}
         assert readers == set(), f"{route} route: {sorted(readers)} read SGLang's batch"
     torch.testing.assert_close(runs["sglang"], runs["atom"], rtol=1e-4, atol=1e-4)
+
+
+def test_fake_batch_has_only_sglang_forward_batch_fields():
+    """The batch these tests hand SGLang's RadixAttention (backend_fakes.make_batch) has
+    only fields of SGLang's ForwardBatch, with their meaning; among them
+    `global_num_token_non_padded_cpu` (None: no padded tokens), which SGLang 0.5.23's
+    RadixAttention reads on every extend step. A renamed field fails here."""
+    import dataclasses
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    _, batch = make_batch([0, 5], [3, 1], 1, 256)
+    fields = {f.name for f in dataclasses.fields(ForwardBatch)}
+    assert set(vars(batch)) - fields == set()
+    assert batch.global_num_token_non_padded_cpu is None

@@ -44,6 +44,34 @@ def test_sglang_names_the_patches_rely_on_exist(name):
     assert pkgutil.resolve_name(name) is not None
 
 
+# Change 1 by SGLang version: SGLang's own `support_triton("atom")` on its CPU engine. 0.5.21
+# answers by the backend's name (True: the hook is needed); 0.5.23 first asks its platform,
+# which has no Triton on CPU (False: no hook).
+SGLANG_SUPPORT_TRITON_ON_CPU = {"0.5.21": True, "0.5.23": False}
+
+
+def test_support_triton_hook_only_where_sglang_answers_by_name(fresh_plugin):
+    """Change 1 is registered on the CPU engine only where SGLang would let "atom" launch
+    Triton kernels there; with it, "atom" is Triton-free and other names keep SGLang's
+    answer. A version missing from the table has not been checked."""
+    from packaging.version import Version
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.utils.common import is_cpu, support_triton
+
+    from atom_sglang.patches import SUPPORT_TRITON, _support_triton_on_cpu
+
+    version = Version(atom_sglang.sglang_version()).base_version
+    assert version in SGLANG_SUPPORT_TRITON_ON_CPU, f"change 1 not checked on SGLang {version}"
+    assert is_cpu()
+    assert support_triton("atom") is SGLANG_SUPPORT_TRITON_ON_CPU[version]
+    assert support_triton("torch_native") is False
+    atom_sglang.register()
+    hooks = HookRegistry._hooks.get(SUPPORT_TRITON, [])
+    assert len(hooks) == SGLANG_SUPPORT_TRITON_ON_CPU[version]
+    assert _support_triton_on_cpu(support_triton, "atom") is False
+    assert _support_triton_on_cpu(support_triton, "triton") is support_triton("triton")
+
+
 def test_served_sparse_models_skip_sglang_dsa_path_and_widen_mla_rows():
     """Changes 9 and 10 for a DeepSeek-V3.2 config ATOM serves: SGLang's DSA test says no
     (so its plain MLA pool and ATOM's backend serve it) and the MLA row grows by the

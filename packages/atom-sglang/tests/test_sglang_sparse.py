@@ -1,5 +1,5 @@
 """DeepSeek-V3.2, GLM-5 (DeepSeek Sparse Attention) and Kimi-K2.5's text model on
-SGLang 0.5.21's CPU engine with atom-sglang, against independent references.
+SGLang's CPU engine (0.5.21, 0.5.23) with atom-sglang, against independent references.
 
 The tiny DSA configs keep the top 8 tokens per query; the rounds' prompts run to 130
 tokens (16x that), are prefilled in chunks of 64, and the 48-token shared prefix
@@ -9,7 +9,7 @@ device capability), so atom-sglang keeps these models off it (`atom_sglang.patch
 changes 9 and 10) and the references are:
 
 * DeepSeek-V3.2: HF transformers' greedy decoding of the same checkpoint.
-* GLM-5: ATOM's native engine on the same checkpoint (SGLang pins transformers 5.12.1,
+* GLM-5: ATOM's native engine on the same checkpoint (SGLang 0.5.21 pins transformers 5.12.1,
   whose GLM-MoE-DSA indexer rotates half-split pairs where GLM-5 rotates interleaved
   ones; the core suite holds the native engine equal to a transformers that has it right).
 * Kimi-K2.5: transformers 5.12.1 has no Kimi-K2.5, so the checkpoint is DeepSeek-V3's

@@ -1,8 +1,9 @@
 """SGLang's speculative decoding with ATOM's models as the target.
 
-SGLang 0.5.21 offers it on CPU (EAGLE / NEXTN / NGRAM), but only through its CPU kernel
-package `sgl_kernel`, which is not on PyPI: these tests run SGLang with a stub of it
-(`sglang_cpu_support`), and every speculative engine stops in it:
+SGLang 0.5.21 and 0.5.23 offer it on CPU (EAGLE / NEXTN / NGRAM), but only through their CPU
+kernel package `sgl_kernel`, which is not on PyPI: these tests run SGLang with a stub of it
+(`sglang_cpu_support`), and every speculative engine stops in it (places in 0.5.21's
+source):
 
 * any speculative algorithm: the MHA / MLA pool's KV-copy warm-up
   (`mem_cache/kv_cache_configurator.py:1952` passes `enable_kv_cache_copy`,
@@ -96,8 +97,8 @@ def test_engine_runs_wait_for_sglangs_cpu_kernels():
 
     if sglang_cpu_support.is_stub(cache_move.copy_all_layer_kv_cache_cpu):
         pytest.skip(
-            "SGLang 0.5.21 runs speculative decoding on CPU only with its sgl_kernel CPU ops "
-            "(first: copy_all_layer_kv_cache_cpu, mem_cache/memory_pool.py:2089); "
+            "SGLang runs speculative decoding on CPU only with its sgl_kernel CPU ops "
+            "(first: copy_all_layer_kv_cache_cpu, the KV pool's copy warm-up); "
             "sgl_kernel is not on PyPI and is a stub here"
         )
     pytest.fail("SGLang's CPU kernels are installed: add the engine runs")

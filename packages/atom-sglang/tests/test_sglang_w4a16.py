@@ -1,5 +1,5 @@
 """4-bit weight-only checkpoints (AWQ, GPTQ, compressed-tensors pack-quantized) under
-SGLang 0.5.21's CPU engine with atom-sglang: ATOM serves each with the greedy tokens of the
+SGLang's CPU engine (0.5.21, 0.5.23) with atom-sglang: ATOM serves each with the greedy tokens of the
 plain checkpoint holding the weights it stands for (`atom.testing.w4a16`), also under ATOM.
 
 SGLang checks the activation dtype against its own config of the method

@@ -8,8 +8,9 @@ that load plugins (the engine's main process and each scheduler). It
 * overrides SGLang's model-registry entries of every architecture `atom.registry` marks
   SGLang-capable with ATOM's wrapper class (`atom_sglang.model.AtomForCausalLM`);
 * registers the hooks listed in `atom_sglang.patches`: `support_triton` on SGLang's
-  CPU engine, and, where ATOM serves GPT-OSS, the wrapper of SGLang's model step that
-  lets the "atom" backend pass its sinks-and-sliding-window check.
+  CPU engine where SGLang answers it by the backend's name (0.5.21), and, where ATOM
+  serves GPT-OSS, the wrapper of SGLang's model step that lets the "atom" backend pass
+  its sinks-and-sliding-window check.
 
 Before anything, it checks the installed SGLang against `SUPPORTED` (the tested range).
 Outside it, ATOM stays out of SGLang's way (one log line, nothing registered), unless
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 DISABLE_ENV = "ATOM_DISABLE_SGLANG_PLUGIN"
 BACKEND_ONLY_ENV = "ATOM_SGLANG_BACKEND_ONLY"  # "1": the "atom" backend, SGLang's models
 BACKEND_NAME = "atom"
-SUPPORTED = HostRange("SGLang", "0.5.21", "0.5.22")
+SUPPORTED = HostRange("SGLang", "0.5.21", "0.5.24")
 
 logger = logging.getLogger("sglang.atom_sglang")
 

@@ -6,18 +6,22 @@ API for changing the resolved configuration after it was published
 CUDA-graph config; change 4 through its API for wrapping a step of argument resolution
 (`register_resolution_hook`).
 
-1. `support_triton` on the CPU engine (a hook through SGLang's own HookRegistry).
-`sglang.srt.utils.common.support_triton(backend_name)` decides from the attention
-backend's *name* whether SGLang's bookkeeping may launch Triton kernels (writing
-`req_to_token` in `mem_cache/allocation.py`, ForwardBatch positions in
-`forward_batch_info.py`, mrope); only "torch_native" and "intel_amx" answer no. On
-SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1) there is no Triton driver, so
-`attention_backend="atom"` there fails at the first batch ("0 active drivers"). What it
-changes: `support_triton("atom")` is False on the CPU engine, as it is for torch_native;
-every other name and every GPU run is untouched. Checked on SGLang 0.5.17 and 0.5.21
-(on 0.5.21 without it the first batch fails in `write_cache_indices`; the AROUND hook
-also rebinds the modules that imported the function by name). Remove when: SGLang asks
-the backend object (not its name) whether Triton may run, or its CPU engine has Triton.
+1. `support_triton` on the CPU engine (a hook through SGLang's own HookRegistry), SGLang
+0.5.21 only. `sglang.srt.utils.common.support_triton(backend_name)` decides whether
+SGLang's bookkeeping may launch Triton kernels (writing `req_to_token` in
+`mem_cache/allocation.py`, ForwardBatch positions in `forward_batch_info.py`, mrope).
+On 0.5.21 it decides from the attention backend's *name* alone: only "torch_native" and
+"intel_amx" answer no. On SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1) there is no
+Triton driver, so `attention_backend="atom"` there fails at the first batch ("0 active
+drivers"). What it changes: `support_triton("atom")` is False on the CPU engine, as it
+is for torch_native; every other name and every GPU run is untouched. The hook is
+registered only where SGLang's own answer for "atom" on the CPU engine is True (asked
+at registration): 0.5.23's `support_triton` first asks the platform
+(`current_platform.capabilities.supports_triton`, False for its CPU platform), so there
+it already says no and no hook is registered. Checked on SGLang 0.5.17 and 0.5.21 (on
+0.5.21 without it the first batch fails in `write_cache_indices`; the AROUND hook also
+rebinds the modules that imported the function by name), and 0.5.23 (no hook; its CPU
+engine end to end). Remove when: SGLang 0.5.21 leaves the supported range.
 
 2. Prefill CUDA graphs off while an ATOM model serves (`keep_prefill_eager`).
 On a GPU, SGLang captures prefill steps in CUDA graphs by default (breakable graphs,
@@ -30,8 +34,11 @@ SGLang 0.5.17). What it changes: when ATOM's wrapper is built, the prefill phase
 published CUDA-graph config becomes SGLang's own "disabled" (as
 `--cuda-graph-backend-prefill disabled` would); decode graphs and SGLang's own models
 are untouched. The model is built (`ModelRunner.initialize` -> `load_model`) before the
-prefill graph runner reads the config. Checked on SGLang 0.5.17 and 0.5.21. Remove when:
-ATOM's decoder bodies take SGLang's prefill-graph call, or SGLang asks the model.
+prefill graph runner reads the config. Checked on SGLang 0.5.17, 0.5.21 and 0.5.23
+(0.5.23 still calls the decoder body so and keeps breakable prefill graphs the default
+on CUDA; on other devices its default became "disabled"; checked in-process on CPU with a
+config published as on a GPU, not yet on a GPU). Remove when: ATOM's decoder bodies take
+SGLang's prefill-graph call, or SGLang asks the model.
 
 3. Decode CUDA graphs up to 1024 requests while an ATOM model serves
 (`capture_decode_batches_up_to`).
@@ -51,8 +58,8 @@ The model is built before the KV pools, the shared logits buffer and the decode 
 runner read the config, so they all see the new sizes. Not changed:
 `mem_fraction_static`, computed from the old max_bs when the server args were resolved
 (its graph reserve, max_bs * 2 MB, stays 1.5 GB below what `--cuda-graph-max-bs-decode
-1024` would reserve). Checked on SGLang 0.5.17 and 0.5.21 (on 0.5.21 in-process on CPU
-with a config published as on a GPU; not yet re-measured on a GPU). Remove when: SGLang
+1024` would reserve). Checked on SGLang 0.5.17, 0.5.21 and 0.5.23 (on 0.5.21 and 0.5.23
+in-process on CPU with a config published as on a GPU; not yet re-measured on a GPU). Remove when: SGLang
 sizes decode graphs per model, or ATOM's eager decode is no longer CPU-bound.
 
 4. The "atom" backend passes SGLang's attention-backend check for GPT-OSS
@@ -70,8 +77,9 @@ GptOssForCausalLM the step reads the backend names only for that check (its mode
 overrides choose a backend only where none is set), so everything else it does runs as
 before: the model overrides (MoE runner, dtype), the MoE runner's ep_size check, the
 hybrid-cache and all-reduce passes. Other backends, other models, and SGLang's own
-GPT-OSS (the plugin in backend-only mode) keep the check. Checked on SGLang 0.5.21
-(its CPU engine end to end; the step has no device-specific branch for this check).
+GPT-OSS (the plugin in backend-only mode) keep the check. Checked on SGLang 0.5.21 and
+0.5.23 (their CPU engines end to end; the step has no device-specific branch for this
+check, and its list of backends is the same on both).
 Remove when: SGLang's check asks the backend whether it has sinks and sliding windows.
 
 5. Write: ATOM's backend and models into SGLang's registries (`atom_sglang.register`).
@@ -79,7 +87,7 @@ Why: SGLang's plugin entry point has no registration call; its registries are
 module-level dicts. What: `ATTENTION_BACKENDS["atom"] = create_atom_backend` and
 `ModelRegistry.models[arch] = <ATOM wrapper>` for every served architecture, plus the
 "atom" choice through `add_attention_backend_choices` (SGLang's API). Checked on SGLang
-0.5.21 (`attention_registry.ATTENTION_BACKENDS`, `models.registry.ModelRegistry.models`;
+0.5.21 and 0.5.23 (`attention_registry.ATTENTION_BACKENDS`, `models.registry.ModelRegistry.models`;
 `test_register_serves_every_sglang_capable_architecture`). Remove when: SGLang offers
 registration functions for plugins.
 
@@ -87,7 +95,7 @@ registration functions for plugins.
 (`SglangAttention.k_scale` / `v_scale`). Why: SGLang's own backends read a layer's scales
 from its `k_scale_float` / `v_scale_float` attributes, which SGLang's loader sets only for
 its own models. What: the attributes, after construction, from `atom.loader`. Checked on
-SGLang 0.5.21 (`RadixAttention.__init__` sets both to None). Remove when: RadixAttention
+SGLang 0.5.21 and 0.5.23 (`RadixAttention.__init__` sets both to None). Remove when: RadixAttention
 takes the scales as constructor arguments or a loader hook.
 
 7. Read: SGLang's step through its forward context (`atom_sglang.model`, the bridge only).
@@ -96,12 +104,12 @@ backend's metadata into ATOM's forward context) and binds ATOM's layers to the b
 pools; SGLang hands a model only the ForwardBatch. What:
 `sglang.srt.model_executor.forward_context.get_attn_backend` / `get_token_to_kv_pool`
 (public), and the backend's `full_attn_backend` where SGLang's hybrid linear-attention
-wrapper holds it. Checked on SGLang 0.5.21. Remove when: SGLang passes the backend's
+wrapper holds it. Checked on SGLang 0.5.21 and 0.5.23. Remove when: SGLang passes the backend's
 metadata to the model's forward.
 
 8. Read (private): `server_args._cuda_graph_config_locked` (change 3). Why: the only
 record of which CUDA-graph sizes the user chose. What: read, never written. Checked on
-SGLang 0.5.21 (`arg_groups/cuda_graph_hook.py` fills it). Remove when: SGLang exposes
+SGLang 0.5.21 and 0.5.23 (`arg_groups/cuda_graph_hook.py` fills it). Remove when: SGLang exposes
 the user's choices, or change 3 goes.
 
 9. SGLang's DSA path off for the sparse-attention models ATOM serves (`not_sglang_dsa`, a
@@ -117,7 +125,7 @@ in the same rows (change 10). What: `is_deepseek_dsa(config)` answers False for 
 config whose first architecture ATOM serves; every other model, and every model while
 the plugin is off or in backend-only mode, gets SGLang's answer. SGLang's HookRegistry
 also rebinds the modules that imported the function by name. Checked on SGLang 0.5.21
-(its CPU engine end to end, `test_sglang_sparse.py`; the DSA branches of
+and 0.5.23 (their CPU engines end to end, `test_sglang_sparse.py`; the DSA branches of
 `arg_groups/model_hook.py`, `mem_cache/kv_cache_configurator.py` and
 `model_executor/pool_configurator.py` all ask this function). Remove when: SGLang lets a
 model declare its own KV layout, or ATOM's kernels read SGLang's DSA pool.
@@ -134,7 +142,7 @@ indexer key and SGLang counts those bytes; ATOM's layers split the row
 (`SglangMLAAttention`). Only SGLang's own MLA backends would read `kv_lora_rank` as the
 latent width, and ATOM's sparse layers refuse them. GLM-5's layers that reuse another
 layer's selection leave the key columns unused (one pool width for every layer).
-Checked on SGLang 0.5.21 (`_build_mla_kv_pool` and the cell size of
+Checked on SGLang 0.5.21 and 0.5.23 (`_build_mla_kv_pool` and the cell size of
 `pool_configurator.py` read only `kv_lora_rank` and `qk_rope_head_dim` for a non-DSA
 MLA model). Remove when: SGLang's MLA pool takes a per-token width from the model.
 """
@@ -206,7 +214,7 @@ def apply_patches(served: Iterable[str]) -> list[str]:
     launch); returns the patched targets."""
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang.srt.utils.common import is_cpu
+    from sglang.srt.utils.common import is_cpu, support_triton
 
     patched = []
     admitted = SINKS_AND_WINDOW_ARCHITECTURES.intersection(served)
@@ -214,7 +222,7 @@ def apply_patches(served: Iterable[str]) -> list[str]:
         step_name = MODEL_STEP.rpartition(".")[2]  # resolution hooks are keyed by name
         register_resolution_hook(step_name)(admit_atom_backend(admitted))
         patched.append(MODEL_STEP)
-    if is_cpu():
+    if is_cpu() and support_triton(BACKEND_NAME):  # by name (0.5.21), not by platform
         HookRegistry.register(SUPPORT_TRITON, _support_triton_on_cpu, HookType.AROUND)
         patched.append(SUPPORT_TRITON)
     if served:
