@@ -72,3 +72,23 @@ def merged(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
         else:
             out.append(delta)
     return out
+
+
+class ToolCallReader:
+    """What every format's reader keeps: its calls so far and the text it has not read
+    yet. `read(text, final)` takes the next piece of a choice's text and returns the
+    content and the call pieces it completes (with final, everything left); `markers`
+    are the format's tags, which decoding must keep."""
+
+    markers: tuple[str, ...] = ()
+
+    def __init__(self):
+        self.log = CallLog()
+        self.pending = ""
+
+    @property
+    def calls(self) -> list[ParsedToolCall]:
+        return self.log.calls
+
+    def read(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        raise NotImplementedError

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from atom.server.tool_calls.calls import CallLog, ToolCallDelta, merged
+from atom.server.tool_calls.calls import ToolCallDelta, ToolCallReader, merged
 from atom.server.tool_calls.reader import safe_end
 
 MESSAGE = "<|message|>"
@@ -22,19 +22,14 @@ _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
-class HarmonyReader:
+class HarmonyReader(ToolCallReader):
     markers = (MESSAGE, "<|channel|>", "<|start|>", *MESSAGE_ENDS)
 
     def __init__(self):
-        self.log = CallLog()
-        self.pending = ""
+        super().__init__()
         self.kind: str | None = None  # of the open message: content, reasoning, or a call
         self.call_name = ""
         self.sent = 0  # of the open message's body, for content
-
-    @property
-    def calls(self):
-        return self.log.calls
 
     def read(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         self.pending += text

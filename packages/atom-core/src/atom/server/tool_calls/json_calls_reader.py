@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from atom.server.tool_calls.calls import CallLog, ToolCallDelta, merged
+from atom.server.tool_calls.calls import ToolCallDelta, ToolCallReader, merged
 from atom.server.tool_calls.json_call import (
     call_of,
     finish_call_object,
@@ -21,24 +21,19 @@ from atom.server.tool_calls.json_call import (
 from atom.server.tool_calls.reader import safe_end
 
 
-class JsonCallsReader:
+class JsonCallsReader(ToolCallReader):
     def __init__(self, marker: str | None = None, from_start: str = ""):
         """marker: the calls follow it; from_start: the output's first non-blank character
         starts the calls when it is one of these."""
+        super().__init__()
         self.marker, self.from_start = marker, from_start
         self.markers = (marker,) if marker else ()
-        self.log = CallLog()
-        self.pending = ""
         self.in_calls = False
         self.trigger = ""  # the marker the calls followed
         self.seen_content = False
         self.scanned = self.depth = 0
         self.in_string = self.escaped = False
         self.object_start = 0
-
-    @property
-    def calls(self):
-        return self.log.calls
 
     def read(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         self.pending += text

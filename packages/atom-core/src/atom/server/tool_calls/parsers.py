@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from atom.server.protocol import ChatCompletionRequest, Tool
+from atom.server.tool_calls.calls import ToolCallReader
 from atom.server.tool_calls.forced import forced_call_guide
 from atom.server.tool_calls.formats import (
     DEEPSEEK_V3,
@@ -20,8 +21,6 @@ from atom.server.tool_calls.formats import (
 from atom.server.tool_calls.harmony import HarmonyReader
 from atom.server.tool_calls.json_calls_reader import JsonCallsReader
 from atom.server.tool_calls.reader import MarkedCallReader
-
-ToolCallReader = MarkedCallReader | JsonCallsReader | HarmonyReader
 
 
 def _xml(format: dict) -> Callable[[list[Tool]], ToolCallReader]:

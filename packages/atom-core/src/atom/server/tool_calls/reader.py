@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from atom.server.tool_calls.calls import CallLog, ToolCallDelta, merged
+from atom.server.tool_calls.calls import ToolCallDelta, ToolCallReader, merged
 
 
 class BlockFormat(Protocol):
@@ -39,17 +39,12 @@ def safe_end(text: str, markers: tuple[str, ...]) -> int:
     return len(text)
 
 
-class MarkedCallReader:
+class MarkedCallReader(ToolCallReader):
     def __init__(self, format: BlockFormat):
+        super().__init__()
         self.format = format
-        self.log = CallLog()
-        self.pending = ""
         self.in_block = False
         self.markers = (format.start, format.end, *format.grouping)
-
-    @property
-    def calls(self):
-        return self.log.calls
 
     def read(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         """The content and call pieces `text` completes; with final, everything left."""
