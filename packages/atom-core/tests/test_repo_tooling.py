@@ -86,29 +86,39 @@ def test_readme_layout_names_every_atom_subpackage():
             assert f" {folder}/ " in layout, folder
 
 
-def test_declared_transformers_range_is_tested_at_both_ends():
-    """atom-core's transformers range starts at the lowest version `nox -s tests` runs and
-    stops before the minor after the highest one, so no untested release is allowed."""
-    import ast
-    import tomllib
-
-    from packaging.requirements import Requirement
+def noxfile_versions(name: str) -> list:
+    """The versions noxfile.py's constant `name` lists (or keys), sorted."""
     from packaging.version import Version
 
     nox_module = ast.parse((ROOT / "noxfile.py").read_text())
     (tested,) = [
         ast.literal_eval(node.value)
         for node in nox_module.body
-        if isinstance(node, ast.Assign)
-        and [getattr(t, "id", None) for t in node.targets] == ["TRANSFORMERS_TESTED"]
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]
     ]
-    tested = sorted(map(Version, tested))
-    project = tomllib.loads((ROOT / "packages/atom-core/pyproject.toml").read_text())["project"]
+    return sorted(map(Version, tested))
+
+
+def declared_specifier(package: Path, dependency: str):
+    """The version specifier `package`'s pyproject declares for `dependency`."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((package / "pyproject.toml").read_text())["project"]
     (spec,) = [
         Requirement(d).specifier
         for d in project["dependencies"]
-        if Requirement(d).name == "transformers"
+        if Requirement(d).name == dependency
     ]
+    return spec
+
+
+def test_declared_transformers_range_is_tested_at_both_ends():
+    """atom-core's transformers range starts at the lowest version `nox -s tests` runs and
+    stops before the minor after the highest one, so no untested release is allowed."""
+    tested = noxfile_versions("TRANSFORMERS_TESTED")
+    spec = declared_specifier(ROOT / "packages" / "atom-core", "transformers")
     low, high = tested[0], tested[-1]
     assert {(s.operator, s.version) for s in spec} == {
         (">=", str(low)),
@@ -121,26 +131,11 @@ def test_declared_sglang_range_is_tested_at_both_ends():
     the version rows of both READMEs) starts at the lowest SGLang `nox -s tests_sglang`
     runs and stops right after the highest one, so no untested release above it is
     allowed; the READMEs name every tested version."""
-    import tomllib
-
-    from packaging.requirements import Requirement
-    from packaging.version import Version
-
-    nox_module = ast.parse((ROOT / "noxfile.py").read_text())
-    (tested,) = [
-        ast.literal_eval(node.value)
-        for node in nox_module.body
-        if isinstance(node, ast.Assign)
-        and [getattr(t, "id", None) for t in node.targets] == ["SGLANG_TESTED"]
-    ]
-    tested = sorted(map(Version, tested))
+    tested = noxfile_versions("SGLANG_TESTED")
     low, high = tested[0], tested[-1]
     stop = f"{high.major}.{high.minor}.{high.micro + 1}"
     plugin = ROOT / "packages" / "atom-sglang"
-    project = tomllib.loads((plugin / "pyproject.toml").read_text())["project"]
-    (spec,) = [
-        Requirement(d).specifier for d in project["dependencies"] if Requirement(d).name == "sglang"
-    ]
+    spec = declared_specifier(plugin, "sglang")
     assert {(s.operator, s.version) for s in spec} == {(">=", str(low)), ("<", stop)}
     source = (plugin / "src" / "atom_sglang" / "__init__.py").read_text()
     assert f'SUPPORTED = HostRange("SGLang", "{low}", "{stop}")' in source
