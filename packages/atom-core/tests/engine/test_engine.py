@@ -123,8 +123,10 @@ def test_sequence_too_long_for_cache_is_rejected(checkpoint):
     assert llm.generate([[1] * 4], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs
 
 
-def test_tensor_parallel_engine_matches_single_process(checkpoint, prompts, hf_greedy):
-    llm = engine(checkpoint, tensor_parallel_size=2)
+@ASYNC
+def test_tensor_parallel_engine_matches_single_process(checkpoint, prompts, hf_greedy, overlap):
+    """With async scheduling, the other rank reads the tokens rank 0 sampled on the device."""
+    llm = engine(checkpoint, tensor_parallel_size=2, async_scheduling=overlap)
     try:
         assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
     finally:

@@ -6,7 +6,9 @@ arguments) over a gloo group; every rank runs the same forward, and the layers'
 collectives (NCCL on GPU, gloo on CPU) combine the shards. Only rank 0 samples. Under
 speculative decoding the drafter's forwards are broadcast too, with the hidden states
 they read (rank 0 picks them from its sequences' backlogs), and so is a hybrid model's
-state rollback after a verify step. With enable_expert_parallel the same group
+state rollback after a verify step. Tensor arguments (the drafter's hidden states, the
+tokens an async step reads on the device) follow their message by `dist.broadcast` on the
+TP group, so they never visit the host. With enable_expert_parallel the same group
 splits the MoE experts whole (atom.expert_parallel): attention is tensor parallel, so
 every rank holds every token and the experts' outputs meet in one all-reduce.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -143,6 +146,35 @@ class _RankSteps:
         self.checkpoints = None
 
 
+@dataclass(frozen=True)
+class _Sent:
+    """Stands in a step message for a device tensor, which follows by dist.broadcast."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _wire(arg) -> tuple[object, torch.Tensor | None]:
+    """Rank 0: an argument's form in the message, and the tensor to broadcast after it."""
+    if isinstance(arg, torch.Tensor):
+        return _Sent(tuple(arg.shape), arg.dtype), arg.contiguous()
+    if isinstance(arg, TokenFeed):
+        sent, tensor = _wire(arg.tokens)
+        return replace(arg, tokens=sent), tensor
+    return arg, None
+
+
+def _unwire(arg, device: torch.device):
+    """A worker: the argument rank 0 passed, receiving the tensors it sent."""
+    if isinstance(arg, _Sent):
+        tensor = torch.empty(arg.shape, dtype=arg.dtype, device=device)
+        dist.broadcast(tensor, src=0)
+        return tensor
+    if isinstance(arg, TokenFeed):
+        return replace(arg, tokens=_unwire(arg.tokens, device))
+    return arg
+
+
 def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.tensor_parallel_size))
     control = _init_group(config, rank, port)
@@ -155,12 +187,7 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
         if message[0] is None:
             break
         name, args = message[0]
-        if name == "draft":  # the hidden states come as a tensor of this shape and dtype
-            inputs, (shape, dtype), step, rows = args
-            hidden = torch.empty(shape, dtype=dtype, device=shard.device)
-            dist.broadcast(hidden, src=0)
-            args = (inputs, hidden, step, rows)
-        getattr(steps, name)(*args)
+        getattr(steps, name)(*(_unwire(arg, shard.device) for arg in args))
     dist.destroy_process_group()
 
 
@@ -201,15 +228,20 @@ class Executor:
         if self.workers:
             dist.broadcast_object_list([message], src=0, group=self.control)
 
+    def _call(self, name: str, *args):
+        """Runs `_RankSteps.<name>` on every rank; returns rank 0's result."""
+        if self.workers:
+            wired = [_wire(arg) for arg in args]
+            self._broadcast((name, tuple(form for form, _ in wired)))
+            for _, tensor in wired:
+                if tensor is not None:
+                    dist.broadcast(tensor, src=0)
+        return getattr(self.steps, name)(*args)
+
     def execute(
         self, inputs: list[StepInput], logit_rows: list[int], feed: TokenFeed | None = None
     ) -> torch.Tensor | None:
-        if feed is not None and self.workers:
-            raise ValueError(
-                "device-fed input tokens reach rank 0 only; tensor parallel steps need host tokens"
-            )
-        self._broadcast(("execute", (inputs, logit_rows)))
-        return self.steps.execute(inputs, logit_rows, feed)
+        return self._call("execute", inputs, logit_rows, feed)
 
     def verify(
         self,
@@ -218,23 +250,18 @@ class Executor:
         verified_rows: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A speculative step's logits and hidden states (`_RankSteps.verify`)."""
-        self._broadcast(("verify", (inputs, logit_rows, verified_rows)))
-        return self.steps.verify(inputs, logit_rows, verified_rows)
+        return self._call("verify", inputs, logit_rows, verified_rows)
 
     def draft(
         self, inputs: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int]
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One drafter forward and its draft tokens (ModelRunner.draft) over `hidden`, which
-        rank 0 sends the others."""
-        if self.workers:
-            self._broadcast(("draft", (inputs, (hidden.shape, hidden.dtype), step, rows)))
-            dist.broadcast(hidden.contiguous(), src=0)
-        return self.steps.draft(inputs, hidden, step, rows)
+        """One drafter forward and its draft tokens (ModelRunner.draft) over `hidden`, the
+        hidden states rank 0 picked from its sequences' backlogs."""
+        return self._call("draft", inputs, hidden, step, rows)
 
     def roll_back(self, kept_rows: list[int]) -> None:
         """After a hybrid model's verify step: its states after the rows that stand."""
-        self._broadcast(("roll_back", (kept_rows,)))
-        self.steps.roll_back(kept_rows)
+        self._call("roll_back", kept_rows)
 
     def shutdown(self) -> None:
         if not self.workers:

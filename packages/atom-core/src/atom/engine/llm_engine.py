@@ -58,7 +58,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None, async_scheduling: bool | None = None):
-        """async_scheduling (default: on for one GPU) overlaps each step's host work with
+        """async_scheduling (default: on for GPUs) overlaps each step's host work with
         the next step's GPU work."""
         self.config = config
         self.tokenizer = tokenizer
@@ -105,7 +105,7 @@ class LLMEngine:
         if async_scheduling and config.speculative is not None:
             logger.info("async scheduling is off: speculative decoding verifies on the host")
             async_scheduling = False
-        self.async_scheduling = async_scheduling and config.parallel.tensor_parallel_size == 1
+        self.async_scheduling = async_scheduling
         self._in_flight: _Step | None = None
         logger.info("%s", self.kv_cache_summary())
         if hybrid:
