@@ -12,6 +12,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from atom.symmetric_all_reduce import SymmetricAllReduce
+
 
 class TensorParallelGroup(Protocol):
     rank: int
@@ -34,14 +36,22 @@ class SingleProcessGroup:
 
 
 class TorchDistributedGroup:
-    """TP over a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+    """TP over a torch.distributed process group (gloo on CPU, NCCL on GPU); small
+    messages between GPUs that reach each other's memory take `small_all_reduce`."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        small_all_reduce: SymmetricAllReduce | None = None,
+    ):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.small_all_reduce = small_all_reduce
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_all_reduce is not None and self.small_all_reduce.takes(x):
+            return self.small_all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 

@@ -40,6 +40,7 @@ from atom.engine.state_cache import allocate_state_cache, num_state_slots, state
 from atom.expert_parallel import ExpertParallel, ReplicatedTokens, set_expert_parallel
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
 from atom.speculative.state_rollback import StateCheckpoints
+from atom.symmetric_all_reduce import SymmetricAllReduce
 
 
 def _rank_device(device: str, rank: int) -> torch.device:
@@ -55,7 +56,8 @@ def _init_group(config: EngineConfig, rank: int, port: int) -> dist.ProcessGroup
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    group = TorchDistributedGroup()
+    device = _rank_device(config.device, rank)
+    group = TorchDistributedGroup(None, SymmetricAllReduce.create(dist.group.WORLD, device))
     set_tp_group(group)
     if config.parallel.enable_expert_parallel:
         set_expert_parallel(ExpertParallel(group, ReplicatedTokens(group)))
