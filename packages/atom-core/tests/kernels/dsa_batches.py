@@ -117,13 +117,15 @@ def check_selection(batch, q, w, keys, slots, topk) -> None:
             row += 1
 
 
-def sparse_case(batch: PagedBatch, topk: int, seed: int = 0):
+def sparse_case(
+    batch: PagedBatch, topk: int, seed: int = 0, latent: int = LATENT, rope: int = ROPE
+):
     """Latents in the cache, queries, and a random selection of visible positions per
     token (fewer than topk where fewer are visible, -1 padded, shuffled)."""
     rng = random.Random(seed)
-    kv_c = [batch.randn(c + n, LATENT) for c, n in batch.shapes]
-    k_pe = [batch.randn(c + n, ROPE) for c, n in batch.shapes]
-    cache = batch.nan_pool(LATENT + ROPE)
+    kv_c = [batch.randn(c + n, latent) for c, n in batch.shapes]
+    k_pe = [batch.randn(c + n, rope) for c, n in batch.shapes]
+    cache = batch.nan_pool(latent + rope)
     for i in range(len(batch.shapes)):
         write_mla_cache(kv_c[i], k_pe[i], cache, batch.all_slots(i))
     chosen, slots = [], []

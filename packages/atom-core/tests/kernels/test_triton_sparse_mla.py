@@ -52,7 +52,7 @@ def test_matches_reference(name, topk):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_v32_shape(dtype):
     batch = PagedBatch([(8000, 1)] * 4 + [(0, 300)], 64, device=DEVICE, dtype=dtype)
-    *_, batch.cache, _, topk_slots = sparse_case(batch, 2048)
+    *_, batch.cache, _, topk_slots = sparse_case(batch, 2048, latent=512, rope=64)
     got, expected = run_both(batch, topk_slots, 128, 512, 64)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
