@@ -14,7 +14,10 @@ from atom.speculative.config import MTP_RECYCLES_NORMED
 from atom_vllm import MTP_DRAFT_ARCHITECTURES
 
 
-@pytest.mark.parametrize("draft,target", list(MTP_DRAFT_ARCHITECTURES.items()))
+@pytest.mark.parametrize(
+    "draft,target",
+    [(draft, target) for draft, targets in MTP_DRAFT_ARCHITECTURES.items() for target in targets],
+)
 def test_vllm_unpacks_the_drafters_output_as_atom_returns_it(draft, target):
     """A family whose next draft reads the normed output returns (output, normed): vLLM
     must unpack exactly those drafters' outputs."""

@@ -28,10 +28,10 @@ def test_register_serves_every_vllm_capable_architecture(fresh_plugin, caplog, c
         lazy = ModelRegistry.models[arch]
         assert (lazy.module_name, lazy.class_name) == ("atom_vllm.model", arch)
     # vLLM's MTP draft architectures of the targets ATOM serves: ATOM's drafter.
-    for draft, target in atom_vllm.MTP_DRAFT_ARCHITECTURES.items():
+    for draft, targets in atom_vllm.MTP_DRAFT_ARCHITECTURES.items():
         lazy = ModelRegistry.models[draft]
         drafter = f"{lazy.module_name}:{lazy.class_name}"
-        assert (drafter == atom_vllm.MTP_DRAFTER_CLASS) == (target in served), draft
+        assert (drafter == atom_vllm.MTP_DRAFTER_CLASS) == bool(set(targets) & set(served))
     assert AttentionBackendEnum.CUSTOM.get_path() == "atom_vllm.backend.AtomAttentionBackend"
     assert AttentionBackendEnum.CUSTOM.get_class() is AtomAttentionBackend
     assert AttentionBackendEnum[AtomAttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM

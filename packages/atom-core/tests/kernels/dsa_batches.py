@@ -97,6 +97,24 @@ def selection_case(batch: PagedBatch):
     return q, w, keys, cache
 
 
+def tie_case(new: int, device="cpu"):
+    """A token at position 39 whose keys mostly score exactly 0 (every head's dot product is
+    negative) and three keys score above 0, as the first of `new` query tokens (1: a
+    decode, more: a verify step's row, which also spans the later positions). Returns the
+    batch, its queries and weights, the cache, and the slots the token must select
+    (topk 8): the three, then the five earliest of the zero-scored keys."""
+    context, strong = 39, [3, 11, 17]
+    batch = PagedBatch([(context, new)], 4, device=device)
+    keys = -torch.ones(context + new, INDEX_DIM)
+    keys[strong] = torch.tensor([3.0, 2.0, 1.0])[:, None]
+    cache = batch.nan_pool(INDEX_DIM)
+    write_indexer_keys(keys.to(device), cache, batch.all_slots(0))
+    q = torch.ones(new, INDEX_HEADS, INDEX_DIM, device=device)
+    w = torch.ones(new, INDEX_HEADS, device=device)
+    expected = {batch.slot(0, p) for p in [*strong, 0, 1, 2, 4, 5]}
+    return batch, q, w, cache, expected
+
+
 def check_selection(batch, q, w, keys, slots, topk) -> None:
     """Each token's selection is a top-`topk` of its visible keys by naive score (compared
     by score, so ties at the boundary may pick either), -1 padded, each slot once."""

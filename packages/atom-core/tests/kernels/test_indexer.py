@@ -10,6 +10,7 @@ from tests.kernels.dsa_batches import (
     PagedBatch,
     check_selection,
     selection_case,
+    tie_case,
 )
 
 from atom.kernels.indexer import indexer_topk, write_indexer_keys
@@ -24,6 +25,15 @@ def test_topk_matches_naive_scores(name):
     slots = indexer_topk(batch.new_rows(q), batch.new_rows(w), cache, batch.metadata(), TOPK)
     assert slots.dtype == torch.int32 and slots.shape == (sum(n for _, n in batch.shapes), TOPK)
     check_selection(batch, q, w, keys, slots, TOPK)
+
+
+@pytest.mark.parametrize("new", [1, 4])
+def test_equal_scores_go_to_the_earlier_positions(new):
+    """A token selects the same keys as a decode and as a verify step's row, whose scores
+    span the draft positions too (torch.topk alone breaks ties by the row's width)."""
+    batch, q, w, cache, expected = tie_case(new)
+    slots = indexer_topk(q, w, cache, batch.metadata(), TOPK)
+    assert set(slots[0].tolist()) == expected
 
 
 def test_write_skips_padding_slots():

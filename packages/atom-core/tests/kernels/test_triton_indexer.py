@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.kernels.dsa_batches import BATCHES, PagedBatch, check_selection, selection_case
+from tests.kernels.dsa_batches import (
+    BATCHES,
+    PagedBatch,
+    check_selection,
+    selection_case,
+    tie_case,
+)
 
 from atom.kernels.indexer import indexer_topk_torch, write_indexer_keys_torch
 from atom.testing.triton_device import triton_test_device
@@ -31,6 +37,14 @@ def test_topk_matches_naive_scores(name):
     indexer.indexer_topk_triton(batch.new_rows(q), batch.new_rows(w), cache, metadata, 8, out)
     check_selection(batch, [t.cpu() for t in q], [t.cpu() for t in w], [t.cpu() for t in keys],
                     out.cpu(), 8)  # fmt: skip
+
+
+@pytest.mark.parametrize("new", [1, 4])
+def test_equal_scores_go_to_the_earlier_positions(new):
+    batch, q, w, cache, expected = tie_case(new, DEVICE)
+    out = torch.empty(new, 8, dtype=torch.int32, device=DEVICE)
+    indexer.indexer_topk_triton(q, w, cache, batch.metadata(), 8, out)
+    assert set(out[0].tolist()) == expected
 
 
 def test_write_equals_torch():

@@ -5,10 +5,10 @@ it starts (front-end, engine core, workers, the registry's inspection subprocess
 registers, for every architecture `atom.registry` marks vLLM-capable, a lazy
 `"atom_vllm.model:<Architecture>"` class with `ModelRegistry.register_model`, and ATOM's
 attention backend under the static `AttentionBackendEnum.CUSTOM` member, and installs
-the config hooks of `atom_vllm.patches`. For DeepSeek-V3 and GLM-4.5 it also registers
-vLLM's MTP draft architectures ("DeepSeekMTPModel", "Glm4MoeMTPModel") to ATOM's drafter
-(`atom_vllm.mtp`), so `speculative_config={"method": "mtp", ...}` drafts with ATOM's MTP
-layers.
+the config hooks of `atom_vllm.patches`. For DeepSeek-V3, GLM-4.5, DeepSeek-V3.2 and
+GLM-5 it also registers vLLM's MTP draft architectures ("DeepSeekMTPModel",
+"Glm4MoeMTPModel", "DeepseekV32MTPModel") to ATOM's drafter (`atom_vllm.mtp`), so
+`speculative_config={"method": "mtp", ...}` drafts with ATOM's MTP layers.
 
 `ATOM_DISABLE_VLLM_PLUGIN=1` turns the plugin off in every process (vLLM then runs its
 own classes). On a vLLM outside `SUPPORTED` (the tested range) the plugin logs one line
@@ -31,10 +31,12 @@ DISABLE_ENV = "ATOM_DISABLE_VLLM_PLUGIN"
 BACKEND_PATH = "atom_vllm.backend.AtomAttentionBackend"
 MODEL_MODULE = "atom_vllm.model"
 MTP_DRAFTER_CLASS = "atom_vllm.mtp:AtomMtpDrafter"
-# vLLM's draft architecture (method "mtp") for each target whose MTP layers ATOM runs.
+# vLLM's draft architectures (method "mtp") -> the targets whose MTP layers ATOM runs as
+# that draft (vLLM 0.32 drafts DeepSeek-V3.2 and GLM-5 with the same class).
 MTP_DRAFT_ARCHITECTURES = {
-    "DeepSeekMTPModel": "DeepseekV3ForCausalLM",
-    "Glm4MoeMTPModel": "Glm4MoeForCausalLM",
+    "DeepSeekMTPModel": ("DeepseekV3ForCausalLM",),
+    "Glm4MoeMTPModel": ("Glm4MoeForCausalLM",),
+    "DeepseekV32MTPModel": ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"),
 }
 SUPPORTED = HostRange("vLLM", "0.32", "0.33")
 
@@ -91,8 +93,8 @@ def register() -> None:
         register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
         for arch in archs:
             ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{arch}")
-        for draft, target in MTP_DRAFT_ARCHITECTURES.items():
-            if target in archs:
+        for draft, targets in MTP_DRAFT_ARCHITECTURES.items():
+            if set(targets) & set(archs):
                 ModelRegistry.register_model(draft, MTP_DRAFTER_CLASS)
         install_config_hooks(archs)
         _registered = archs

@@ -1,10 +1,12 @@
 """ATOM's MTP drafter as the draft model of vLLM's speculative decoding (method "mtp").
 
-For a DeepSeek-V3 or GLM-4.5 checkpoint, vLLM's speculative config rewrites the draft
-model's config to the architecture "DeepSeekMTPModel" / "Glm4MoeMTPModel" and builds
-that class with the engine's `vllm_config`. `register()` registers both names to
-`AtomMtpDrafter`, which builds `atom.speculative.mtp.MtpDrafter` (the native engine's)
-with ATOM's attention layers on vLLM's caches, as the target wrapper does
+For a DeepSeek-V3, GLM-4.5, DeepSeek-V3.2 or GLM-5 checkpoint, vLLM's speculative config
+rewrites the draft model's config to the architecture "DeepSeekMTPModel" /
+"Glm4MoeMTPModel" / "DeepseekV32MTPModel" (the last for both sparse-attention families)
+and builds that class with the engine's `vllm_config`, whose model config is the
+target's. `register()` registers these names to `AtomMtpDrafter`, which builds
+`atom.speculative.mtp.MtpDrafter` (the native engine's) with ATOM's attention layers on
+vLLM's caches, as the target wrapper does
 (`atom_vllm.model`): the drafter's layers are more layers of the model's KV-cache groups,
 and their step is ATOM's one metadata (`atom_vllm.step.StepBridge`). vLLM's own
 DeepSeek MTP layer runs vLLM's MLA attention, which has no CPU backend; ATOM's runs ATOM's.
@@ -37,7 +39,7 @@ from atom.speculative.config import MTP_RECYCLES_NORMED
 from atom.speculative.mtp import MtpDrafter
 from atom_vllm import MTP_DRAFT_ARCHITECTURES
 from atom_vllm.attention_layer import vllm_attention_factory
-from atom_vllm.config import bridge, model_impl_of
+from atom_vllm.config import UnsupportedVllmFeature, bridge, model_impl_of
 from atom_vllm.distributed import install_vllm_tp_group
 from atom_vllm.model import ATOM_VLLM_LAYERS, process_atom_weights, vllm_model_class
 from atom_vllm.step import StepBridge
@@ -57,7 +59,12 @@ class AtomMtpDrafter(nn.Module):
     def __init__(self, *, vllm_config: Any, prefix: str = ""):
         super().__init__()
         draft_config = vllm_config.speculative_config.draft_model_config.hf_config
-        architecture = MTP_DRAFT_ARCHITECTURES[draft_config.architectures[0]]
+        draft, architecture = draft_config.architectures[0], vllm_config.model_config.architecture
+        if architecture not in MTP_DRAFT_ARCHITECTURES[draft]:
+            raise UnsupportedVllmFeature(
+                f"ATOM's MTP drafter {draft} does not draft for {architecture}; run "
+                "model_impl='vllm' or set ATOM_DISABLE_VLLM_PLUGIN=1"
+            )
         run = bridge(vllm_config, architecture)
         install_vllm_tp_group()
         self.target_cls = run.entry.load_class()

@@ -8,9 +8,10 @@ may see (s <= its position) as
     score(t, s) = sum_h w[t, h] * relu(q[t, h] . k[s])
 
 with per-head weights w that already hold the softmax scale (Di^-0.5) and Hi^-0.5, and
-keeps the `topk` best. The selection is returned as cache slots [T, topk] (page *
-block_size + offset, -1 where a token sees fewer than topk keys), which sparse MLA
-(atom.kernels.sparse_mla) reads directly, whatever host laid out the pages.
+keeps the `topk` best, equal scores to the earlier position (`best_positions`). The
+selection is returned as cache slots [T, topk] (page * block_size + offset, -1 where a
+token sees fewer than topk keys), which sparse MLA (atom.kernels.sparse_mla) reads
+directly, whatever host laid out the pages.
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ def write_indexer_keys(
     dispatch("write_indexer_keys", keys.device)(keys, key_cache, slot_mapping, scale)
 
 
+def best_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k highest of each score row [T, width], equal scores to the earlier position.
+
+    torch.topk breaks ties by the row's width and layout, and equal scores are common
+    (relu makes every key that no head scores above zero exactly 0): a verify step's rows
+    span the draft positions too, masked, so topk would select other keys for the same
+    query with speculation than without, and greedy tokens would differ."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
 def selected_slots(
     chosen: torch.Tensor, visible: torch.Tensor, table_row: torch.Tensor, block_size: int
 ) -> torch.Tensor:
@@ -63,7 +74,7 @@ def indexer_topk_torch(q, weights, key_cache, metadata, topk, out, scale=1.0):
         keys_seen = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
         scores = scores.masked_fill(~keys_seen, float("-inf"))
         k = min(topk, seq_len)
-        chosen = scores.topk(k, dim=-1).indices
+        chosen = best_positions(scores, k)
         out[begin:end, :k] = selected_slots(chosen, positions[:, None] + 1, table_row, block_size)
     return out
 

@@ -4,9 +4,10 @@ query token against the keys it sees, then top-k.
 The score kernel runs one program per (query token, block of key positions): it reads the
 token's Hi query heads once, a block of cached keys through the block table, and writes
 sum_h w_h * relu(q_h . k) into a [T, width] score row (-inf past the token's position).
-Selection is torch.topk over those rows on the device, then the chosen positions become
-cache slots through the block table. Both steps take their bounds from device tensors
-(`AttentionMetadata.query_token_bounds`); the width is the step's longest sequence.
+Selection is the reference's over those rows (`best_positions`: ties to the earlier
+position), then the chosen positions become cache slots through the block table. Both
+steps take their bounds from device tensors (`AttentionMetadata.query_token_bounds`); the
+width is the step's longest sequence.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels.indexer import best_positions
 from atom.kernels.kv_cache import is_fp8_kv_cache
 from atom.kernels.policy import register
 from atom.kernels.triton.kv_cache import write_kv_cache_triton
@@ -89,7 +91,7 @@ def indexer_topk_triton(q, weights, key_cache, metadata, topk, out, scale=1.0):
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     k = min(topk, width)
-    chosen = scores.topk(k, dim=-1).indices
+    chosen = best_positions(scores, k)
     tables = metadata.block_table[token_seq.long()]
     block_size = key_cache.shape[1]
     slots = tables.gather(1, chosen // block_size).long() * block_size + chosen % block_size
