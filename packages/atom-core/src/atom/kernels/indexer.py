@@ -48,8 +48,15 @@ def best_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     torch.topk breaks ties by the row's width and layout, and equal scores are common
     (relu makes every key that no head scores above zero exactly 0): a verify step's rows
     span the draft positions too, masked, so topk would select other keys for the same
-    query with speculation than without, and greedy tokens would differ."""
-    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    query with speculation than without, and greedy tokens would differ. Each score is
+    made a unique integer instead: its float32 bits mapped to integers of the same order,
+    above the reversed position. A top-k of those is exact and costs what topk costs (a
+    stable sort of the scores costs a sort)."""
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats run backwards
+    width = scores.shape[-1]
+    later_first = torch.arange(width - 1, -1, -1, device=scores.device)
+    return ((ordered << 32) | later_first).topk(k, dim=-1).indices
 
 
 def selected_slots(
