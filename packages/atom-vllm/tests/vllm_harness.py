@@ -28,6 +28,41 @@ RESULT_TAG = "ATOM_JOB_RESULT "
 # --------------------------------------------------------------------------- checkpoints
 
 
+def write_lora_adapter(model: Path, out: Path, rank: int = 8, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter for a tiny Llama-shaped checkpoint: random A and B on every
+    layer's q_proj and v_proj, large enough to change greedy tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model / "config.json").read_text())
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    outputs = {
+        "q_proj": config["num_attention_heads"] * head_dim,
+        "v_proj": config["num_key_value_heads"] * head_dim,
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, width in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator)
+            tensors[f"{name}.lora_B.weight"] = torch.randn(width, rank, generator=generator)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": rank,
+        "target_modules": list(outputs),
+        "bias": "none",
+        "base_model_name_or_path": str(model),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter))
+    return out
+
+
 # --------------------------------------------------------------------------- engine jobs
 
 
@@ -42,6 +77,7 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     max_tokens: int = 8
     probe: bool = True
+    lora: Path | None = None  # a PEFT adapter every round generates with
 
 
 @dataclass
@@ -82,6 +118,7 @@ def _run_job(job: Job, workdir: Path, core: int | None, timeout: float) -> JobRe
         "rounds": job.rounds,
         "max_tokens": job.max_tokens,
         "probe": job.probe,
+        "lora": str(job.lora) if job.lora else None,
     }
     job_file = workdir / f"{job.name}.json"
     job_file.write_text(json.dumps(spec))

@@ -4,7 +4,10 @@ Run as `python vllm_job.py job.json` (the tests start one such process per engin
 configuration, because an engine start costs 20-45 s here). The job file holds:
 
     {"model": path, "engine": {LLM kwargs}, "max_tokens": n, "probe": bool,
-     "rounds": [{"name": str, "prompts": [[token ids], ...]}, ...]}
+     "rounds": [{"name": str, "prompts": [[token ids], ...]}, ...], "lora": path}
+
+("lora", optional: a PEFT adapter every round generates with; the engine needs
+`enable_lora`.)
 
 The result line is `ATOM_JOB_RESULT {...}` with, per round, each prompt's generated
 token ids and `num_cached_tokens`, vLLM's speculative-decoding counters (`spec_decode`,
@@ -33,12 +36,20 @@ def main(job_path: str) -> None:
     params = SamplingParams(
         max_tokens=job.get("max_tokens", 8), temperature=0.0, ignore_eos=True, detokenize=False
     )
+    lora = None
+    if job.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        lora = LoRARequest("adapter", 1, job["lora"])
     rounds = {}
     generate_s = 0.0
     for spec in job["rounds"]:
         t = time.perf_counter()
         outputs = llm.generate(
-            [{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False
+            [{"prompt_token_ids": p} for p in spec["prompts"]],
+            params,
+            use_tqdm=False,
+            lora_request=lora,
         )
         generate_s += time.perf_counter() - t
         rounds[spec["name"]] = [

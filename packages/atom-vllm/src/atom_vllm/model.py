@@ -18,6 +18,8 @@ object); "auto", "atom" (or anything else) build ATOM's model:
   questions (state shapes, dtypes, copy functions) from the config;
 * step: `forward` runs the ATOM model under ATOM's forward context holding the step's
   one complete metadata, which `atom_vllm.step.StepBridge` makes from vLLM's;
+* LoRA: ATOM's layers take no adapters, so with `enable_lora` the class builds vLLM's own
+  one (one log line); it carries vLLM's `SupportsLoRA` interface for that;
 * EAGLE-3 (Llama, Qwen3 targets): `AtomEagle3TargetForCausalLM` is vLLM's
   `SupportsEagle3`, its forward adding the aux hidden states vLLM's drafter reads;
 * weights: `load_weights` takes vLLM's iterator (the checkpoint is read once) and
@@ -35,7 +37,7 @@ from torch import nn
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.models.interfaces import SupportsEagle3
+from vllm.model_executor.models.interfaces import SupportsEagle3, supports_lora
 
 from atom.cuda_graphs import graph_blockers
 from atom.hosts.cache_bytes import bytes_per_token_line, mla_bytes_per_token
@@ -76,10 +78,16 @@ class AtomForCausalLM(nn.Module):
 
     def __new__(cls, *args: Any, **kwargs: Any):
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        reason = None
         if vllm_config is not None and model_impl_of(vllm_config) == "vllm":
+            reason = "model_impl='vllm'"
+        elif vllm_config is not None and vllm_config.lora_config is not None:
+            reason = "LoRA (ATOM's layers take no adapters)"
+        if reason is not None:
             vllm_cls = vllm_model_class(cls.atom_architecture)
             logger.info(
-                "model_impl='vllm': %s runs vLLM's %s.%s, not ATOM's",
+                "%s: %s runs vLLM's %s.%s, not ATOM's",
+                reason,
                 cls.atom_architecture,
                 vllm_cls.__module__,
                 vllm_cls.__qualname__,
@@ -270,7 +278,32 @@ def wrapper_class(architecture: str) -> type[AtomForCausalLM]:
         base = AtomHybridForCausalLM
     elif architecture in EAGLE3_TARGETS:
         base = AtomEagle3TargetForCausalLM
-    return architecture_subclass(base, architecture, __name__, "a vLLM", _classes)
+    made = architecture in _classes
+    cls = architecture_subclass(base, architecture, __name__, "a vLLM", _classes)
+    if not made:
+        _take_lora_interface(cls)
+    return cls
+
+
+def _take_lora_interface(cls: type[AtomForCausalLM]) -> None:
+    """vLLM's own class's LoRA interface (`SupportsLoRA`) on the registered class, where
+    vLLM's class has one. vLLM 0.33 refuses `enable_lora` unless the registered class
+    supports LoRA, before it builds a model; a run with LoRA then builds vLLM's own class
+    (`AtomForCausalLM.__new__`), whose packed modules these are. Every version also hands
+    the registered class's `packed_modules_mapping` to its quantization config, which
+    vLLM's own class (model_impl='vllm') reads and ATOM's model does not."""
+    try:
+        vllm_cls = vllm_model_class(cls.atom_architecture)
+    except (UnsupportedVllmFeature, ImportError) as error:
+        # No class of vLLM's own (then LoRA cannot run either way), or one whose module
+        # does not import here (e.g. a multimodal one without torchvision).
+        logger.debug("%s: no LoRA interface (%s)", cls.atom_architecture, error)
+        return
+    if not supports_lora(vllm_cls):
+        return
+    cls.supports_lora = True
+    cls.packed_modules_mapping = vllm_cls.packed_modules_mapping
+    cls.embedding_modules = vllm_cls.embedding_modules
 
 
 def __getattr__(name: str) -> type[AtomForCausalLM]:
