@@ -50,8 +50,11 @@ def test_hybrid_models_run_without_prefix_caching(checkpoints, monkeypatch):
     assert sum("prefix caching off" in m for m in messages) == 1, messages
 
 
-def test_vllm_own_implementation_keeps_prefix_caching(checkpoints):
-    config = engine_config(checkpoints, model_impl="vllm")
+@pytest.mark.parametrize(
+    "vllm_own", [dict(model_impl="vllm"), dict(enable_lora=True)], ids=["model-impl", "lora"]
+)
+def test_vllm_own_implementation_keeps_prefix_caching(checkpoints, vllm_own):
+    config = engine_config(checkpoints, **vllm_own)
     assert config.cache_config.enable_prefix_caching
     assert config.cache_config.mamba_cache_mode == "align"
 

@@ -60,6 +60,16 @@ def model_impl_of(vllm_config: Any) -> str:
     return str(getattr(vllm_config.model_config, "model_impl", "auto") or "auto").lower()
 
 
+def vllm_own_reason(vllm_config: Any) -> str | None:
+    """Why this run builds vLLM's own classes where ATOM's are registered (and ATOM's
+    config hooks leave it alone), or None: ATOM's run."""
+    if model_impl_of(vllm_config) == "vllm":
+        return "model_impl='vllm'"
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "LoRA (ATOM's layers take no adapters)"
+    return None
+
+
 def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -77,8 +87,6 @@ def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
         raise unsupported(f"pipeline parallelism (pp={parallel.pipeline_parallel_size})")
     if getattr(parallel, "enable_expert_parallel", False):
         raise unsupported("expert parallelism")
-    if getattr(vllm_config, "lora_config", None) is not None:
-        raise unsupported("LoRA adapters")
     quantization = model_config.quantization
     if quantization is not None and quantization not in _ATOM_QUANT_METHODS:
         raise unsupported(f"quantization={quantization!r}")

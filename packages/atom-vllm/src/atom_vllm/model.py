@@ -49,7 +49,7 @@ from atom.registry import UnsupportedArchitectureError, get_entry
 from atom.speculative.aux_hidden import AuxHiddenStates, default_aux_layer_ids
 from atom.speculative.eagle3 import EAGLE3_TARGETS
 from atom_vllm.attention_layer import VllmAttention, VllmMLAAttention, vllm_attention_factory
-from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, model_impl_of
+from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, vllm_own_reason
 from atom_vllm.distributed import install_vllm_tp_group
 from atom_vllm.patches import cuda_graphs_off, vllm_model_location
 from atom_vllm.state_layer import VllmStateLayer, vllm_state_factory
@@ -78,11 +78,7 @@ class AtomForCausalLM(nn.Module):
 
     def __new__(cls, *args: Any, **kwargs: Any):
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-        reason = None
-        if vllm_config is not None and model_impl_of(vllm_config) == "vllm":
-            reason = "model_impl='vllm'"
-        elif vllm_config is not None and vllm_config.lora_config is not None:
-            reason = "LoRA (ATOM's layers take no adapters)"
+        reason = vllm_own_reason(vllm_config) if vllm_config is not None else None
         if reason is not None:
             vllm_cls = vllm_model_class(cls.atom_architecture)
             logger.info(

@@ -39,7 +39,7 @@ from atom.speculative.config import MTP_RECYCLES_NORMED
 from atom.speculative.mtp import MtpDrafter
 from atom_vllm import MTP_DRAFT_ARCHITECTURES
 from atom_vllm.attention_layer import vllm_attention_factory
-from atom_vllm.config import UnsupportedVllmFeature, bridge, model_impl_of
+from atom_vllm.config import UnsupportedVllmFeature, bridge, vllm_own_reason
 from atom_vllm.distributed import install_vllm_tp_group
 from atom_vllm.model import ATOM_VLLM_LAYERS, process_atom_weights, vllm_model_class
 from atom_vllm.step import StepBridge
@@ -49,8 +49,8 @@ logger = init_logger("vllm.atom_vllm.mtp")
 
 class AtomMtpDrafter(nn.Module):
     def __new__(cls, *, vllm_config: Any, prefix: str = ""):
-        # model_impl="vllm" runs vLLM's own target, and its own drafter with it.
-        if model_impl_of(vllm_config) == "vllm":
+        # A run of vLLM's own target (model_impl="vllm", LoRA) drafts with vLLM's drafter.
+        if vllm_own_reason(vllm_config) is not None:
             draft_config = vllm_config.speculative_config.draft_model_config.hf_config
             vllm_cls = vllm_model_class(draft_config.architectures[0])
             return vllm_cls(vllm_config=vllm_config, prefix=prefix)

