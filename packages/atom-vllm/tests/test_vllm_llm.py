@@ -8,7 +8,8 @@ One engine per (architecture, mode), all started by one module fixture (`runs`):
   tokens are the reference);
 * Llama also runs with enable_lora (plugin on and off, vLLM's class with an adapter),
   with model_impl="vllm" (plugin on, vLLM's class) and with
-  tensor_parallel_size=2 (ATOM's layers shard over vLLM's TP group), and a GPT-2
+  tensor_parallel_size=2 (ATOM's layers shard over vLLM's TP group; Qwen3-MoE also with
+  enable_expert_parallel: the experts split whole over it), and a GPT-2
   checkpoint (an architecture ATOM does not serve) runs with the plugin on.
 
 Every engine runs with prefix caching on and chunked prefill with a small token
@@ -20,6 +21,7 @@ prompts, one prompt with a 48-token prefix, then three prompts sharing that pref
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -114,6 +116,22 @@ def runs(checkpoints, fp8_checkpoint, tmp_path_factory):
                     env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
                 )
             )
+    if TP2 and "Qwen3MoeForCausalLM" in ARCHS:
+        jobs.append(
+            Job(
+                "Qwen3MoeForCausalLM-atom-tp2-ep",
+                checkpoints("Qwen3MoeForCausalLM"),
+                {
+                    **ENGINE,
+                    "model_impl": "atom",
+                    "tensor_parallel_size": 2,
+                    "enable_expert_parallel": True,
+                    "distributed_executor_backend": "mp",
+                },
+                rounds(ARCHS.index("Qwen3MoeForCausalLM")),
+                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            )  # fmt: skip
+        )
     jobs.append(Job("GPT2LMHeadModel-plugin", checkpoints("GPT2LMHeadModel"), ENGINE, rounds(9)))
     if "GptOssForCausalLM" in ARCHS:
         # vLLM takes GPT-OSS's MXFP4 method ("gpt_oss_mxfp4") in bfloat16 only.
@@ -213,6 +231,26 @@ def test_lora_runs_vllm_own_class_with_the_adapter(runs):
     with_adapter = tokens(lora, "batch")
     assert with_adapter == tokens(result_of(runs, "LlamaForCausalLM-lora-stock"), "batch")
     assert with_adapter != tokens(result_of(runs, "LlamaForCausalLM-stock"), "batch")
+
+
+def test_expert_parallel_splits_experts_over_vllm_tp_group(runs, checkpoints):
+    """vLLM's enable_expert_parallel: each of 2 ranks holds half the experts whole, and
+    the greedy tokens are vLLM's own model's on one process."""
+    needs("Qwen3MoeForCausalLM")
+    if not TP2:
+        pytest.skip("tensor_parallel_size=2 needs two cores")
+    result = result_of(runs, "Qwen3MoeForCausalLM-atom-tp2-ep")
+    num_experts = json.loads((checkpoints("Qwen3MoeForCausalLM") / "config.json").read_text())[
+        "num_experts"
+    ]
+    half = num_experts // 2
+    assert len(result.probe) == 2
+    for rank, worker in enumerate(result.probe):
+        held = worker["experts"]
+        assert held and all(layer == [rank * half, half] for layer in held), (rank, held)
+    stock = result_of(runs, "Qwen3MoeForCausalLM-stock")
+    for spec in rounds(ARCHS.index("Qwen3MoeForCausalLM")):
+        assert tokens(result, spec["name"]) == tokens(stock, spec["name"]), spec["name"]
 
 
 def test_tensor_parallel_uses_vllm_tp_group(runs):

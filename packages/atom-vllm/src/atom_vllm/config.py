@@ -85,8 +85,12 @@ def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
 
     if parallel.pipeline_parallel_size > 1:
         raise unsupported(f"pipeline parallelism (pp={parallel.pipeline_parallel_size})")
-    if getattr(parallel, "enable_expert_parallel", False):
-        raise unsupported("expert parallelism")
+    if parallel.enable_expert_parallel and parallel.data_parallel_size > 1:
+        # vLLM's EP group then spans data-parallel ranks whose tokens differ.
+        raise unsupported(
+            f"expert parallelism across data-parallel ranks "
+            f"(data_parallel_size={parallel.data_parallel_size})"
+        )
     quantization = model_config.quantization
     if quantization is not None and quantization not in _ATOM_QUANT_METHODS:
         raise unsupported(f"quantization={quantization!r}")

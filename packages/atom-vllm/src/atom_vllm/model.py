@@ -9,7 +9,8 @@ own class for the architecture instead (from `__new__`, so vLLM gets its plain m
 object); "auto", "atom" (or anything else) build ATOM's model:
 
 * config bridge: `atom_vllm.config.bridge(vllm_config)` (hf_config, dtype, ATOM quant);
-* TP: vLLM's tensor-parallel group installed as ATOM's (`atom.distributed.set_tp_group`);
+* TP: vLLM's tensor-parallel group installed as ATOM's (`atom.distributed.set_tp_group`),
+  and with `enable_expert_parallel` as ATOM's expert-parallel group (`distributed.py`);
 * attention: built inside `attention_backend(factory)`, so every ATOM attention layer
   owns a vLLM `Attention` layer on `AtomAttentionBackend` (MLA: `VllmMLAAttention`);
 * state (hybrid models): built inside `state_backend(factory)`, so every Gated DeltaNet
@@ -50,7 +51,7 @@ from atom.speculative.aux_hidden import AuxHiddenStates, default_aux_layer_ids
 from atom.speculative.eagle3 import EAGLE3_TARGETS
 from atom_vllm.attention_layer import VllmAttention, VllmMLAAttention, vllm_attention_factory
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, vllm_own_reason
-from atom_vllm.distributed import install_vllm_tp_group
+from atom_vllm.distributed import install_vllm_groups
 from atom_vllm.patches import cuda_graphs_off, vllm_model_location
 from atom_vllm.state_layer import VllmStateLayer, vllm_state_factory
 from atom_vllm.step import StepBridge
@@ -95,7 +96,7 @@ class AtomForCausalLM(nn.Module):
         super().__init__()
         self.run_config: AtomRunConfig = bridge(vllm_config, self.atom_architecture)
         cfg = self.run_config
-        self.tp_group = install_vllm_tp_group()
+        self.tp_group = install_vllm_groups(vllm_config)
         model_cls = cfg.entry.load_class()
         # vLLM's loader has set the default dtype and device for construction.
         with (

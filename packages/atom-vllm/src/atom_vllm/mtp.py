@@ -40,7 +40,7 @@ from atom.speculative.mtp import MtpDrafter
 from atom_vllm import MTP_DRAFT_ARCHITECTURES
 from atom_vllm.attention_layer import vllm_attention_factory
 from atom_vllm.config import UnsupportedVllmFeature, bridge, vllm_own_reason
-from atom_vllm.distributed import install_vllm_tp_group
+from atom_vllm.distributed import install_vllm_groups
 from atom_vllm.model import ATOM_VLLM_LAYERS, process_atom_weights, vllm_model_class
 from atom_vllm.step import StepBridge
 
@@ -66,7 +66,7 @@ class AtomMtpDrafter(nn.Module):
                 "model_impl='vllm' or set ATOM_DISABLE_VLLM_PLUGIN=1"
             )
         run = bridge(vllm_config, architecture)
-        install_vllm_tp_group()
+        install_vllm_groups(vllm_config)
         self.target_cls = run.entry.load_class()
         # The target's config: vLLM renames the draft's model_type ("deepseek_mtp"), which
         # ATOM's MoE reads its routing defaults from.

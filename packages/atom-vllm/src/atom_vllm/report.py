@@ -5,7 +5,9 @@ importable module; `apply_model` needs VLLM_ALLOW_INSECURE_SERIALIZATION=1). Ret
 model class, the ATOM model class inside it (None for vLLM's own classes) and, per
 attention layer, its backend, impl, KV-cache shape and dtype, sliding window (such layers
 get vLLM's sliding-window KV spec), the fp8 KV-cache scales ATOM's impl applies and how
-often it ran; for a state (mamba) layer, the shapes and dtypes of its bound states.
+often it ran; for a state (mamba) layer, the shapes and dtypes of its bound states; per
+ATOM MoE layer, the experts this rank holds ([first, count], or None: every expert,
+sliced).
 """
 
 from __future__ import annotations
@@ -46,8 +48,16 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
                 "sliding_window": getattr(module, "sliding_window", None),
             }
         )
+    from atom.layers.moe import FusedMoE
+
+    experts = [
+        [m.placement.first, m.placement.count] if m.placement is not None else None
+        for m in model.modules()
+        if isinstance(m, FusedMoE)
+    ]
     return {
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "atom_class": f"{type(inner).__module__}.{type(inner).__qualname__}" if inner else None,
         "attention": layers,
+        "experts": experts,
     }
