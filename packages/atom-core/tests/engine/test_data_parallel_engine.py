@@ -1,0 +1,79 @@
+"""`LLM(data_parallel_size=2, enable_expert_parallel=True)` on CPU (gloo): each rank holds
+the whole attention and half of the experts, its own KV cache and its own batch, and the
+greedy tokens equal HF transformers' in fp32 while requests are admitted mid-run, finish
+at different steps, hit the prefix cache, are aborted, or leave a rank with nothing to
+run (it runs zero-token steps so the MoE collectives of the other rank complete)."""
+
+from __future__ import annotations
+
+import pytest
+
+from atom import LLM, SamplingParams
+from atom.layers.moe import FusedMoE
+from atom.testing import references
+from tests.models.harness import make_prompts, write_with_random_vectors
+from tests.models.test_deepseek import CASES as DEEPSEEK_CASES
+
+CASES = {
+    "deepseek-v2-mla": DEEPSEEK_CASES["v2-group-limited-qlora-dense1"],
+    "deepseek-v3-mla": DEEPSEEK_CASES["v3-grouped-qlora-dense1"],
+}
+# A shared 12-token prefix (3 pages of 4), then tails of different lengths.
+PREFIX = make_prompts(256, [12], seed=3)[0]
+TAILS = make_prompts(256, [1, 9, 3, 14, 5, 2, 7], seed=7)
+MAX_TOKENS = [2, 12, 4, 9, 1, 11, 6]  # finishing at very different steps
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.mark.usefixtures("hf_v2_group_limited_greedy")
+@pytest.mark.parametrize("name", list(CASES))
+def test_data_parallel_attention_greedy_matches_hf(tmp_path, name):
+    folder = write_with_random_vectors(CASES[name], tmp_path)
+    prompts = [PREFIX + tail for tail in TAILS]
+    expected = references.hf_greedy(folder, prompts, max_tokens=max(MAX_TOKENS))
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        block_size=4,
+        num_blocks=64,
+        max_num_seqs=2,  # per rank: 7 prompts over 2 x 2 seats, admitted while others run
+    )
+    engine = llm.engine
+    try:
+        layers = [m for m in engine.model.modules() if isinstance(m, FusedMoE)]
+        assert layers and all(m.w13_weight.shape[0] == m.num_experts // 2 for m in layers)
+
+        outputs = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [
+            e[:n] for e, n in zip(expected, MAX_TOKENS)
+        ]
+        stats = engine.stats()
+        assert stats.prefix_cache_hits > 0  # later admissions reuse their rank's prefix
+        assert stats.num_blocks == 2 * 64 and stats.num_free_blocks == stats.num_blocks
+        assert stats.num_running == stats.num_waiting == 0
+        assert all(bm.num_free_blocks == 64 for bm in engine.scheduler.block_managers)
+
+        # One request on two ranks: rank 1 runs a zero-token step every step.
+        (alone,) = llm.generate([prompts[3]], greedy(10), use_tqdm=False)
+        assert alone.outputs[0].token_ids == expected[3][:10]
+
+        # An abort mid-run frees its pages on its own rank; the others go on unchanged.
+        ids = [engine.add_request(prompts[i], greedy(10)) for i in (1, 4, 6)]
+        for _ in range(3):
+            engine.step()
+        engine.abort_request(ids[1])
+        done = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    done[output.request_id] = output.outputs[0].token_ids
+        assert done == {ids[0]: expected[1][:10], ids[2]: expected[6][:10]}
+        assert engine.stats().num_free_blocks == 2 * 64
+    finally:
+        engine.shutdown()
