@@ -77,3 +77,30 @@ def test_data_parallel_attention_greedy_matches_hf(tmp_path, name):
         assert engine.stats().num_free_blocks == 2 * 64
     finally:
         engine.shutdown()
+
+
+@pytest.mark.usefixtures("hf_v2_group_limited_greedy")
+def test_data_parallel_preemption_stays_within_a_rank(tmp_path):
+    """Pools of 9 pages of 4 tokens per rank hold one of these sequences (up to 8 pages)
+    but not two: each rank preempts within its own block manager and recomputes, and the
+    tokens stay HF's."""
+    folder = write_with_random_vectors(CASES["deepseek-v2-mla"], tmp_path)
+    prompts = make_prompts(256, [17, 9, 20, 12], seed=11)
+    expected = references.hf_greedy(folder, prompts, max_tokens=12)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        block_size=4,
+        num_blocks=9,
+        enable_prefix_caching=False,
+    )
+    try:
+        outputs = llm.generate(prompts, greedy(12), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert all(s.num_preemptions > 0 for s in llm.engine.scheduler.schedulers)
+        assert llm.engine.stats().num_free_blocks == 2 * 9
+    finally:
+        llm.engine.shutdown()
