@@ -11,6 +11,7 @@ import pytest
 from atom import LLM, SamplingParams
 from atom.layers.moe import FusedMoE
 from atom.testing import references
+from tests.engine.test_logits_processors import AllowedSet
 from tests.models.harness import make_prompts, write_with_random_vectors
 from tests.models.test_deepseek import CASES as DEEPSEEK_CASES
 
@@ -104,3 +105,46 @@ def test_data_parallel_preemption_stays_within_a_rank(tmp_path):
         assert llm.engine.stats().num_free_blocks == 2 * 9
     finally:
         llm.engine.shutdown()
+
+
+def test_data_parallel_sampling_features_equal_the_single_process_engine(tmp_path):
+    """What a rank's sampler reads comes from rank 0 (atom.engine.rank_sampling): seeded
+    draws, penalties, logit bias, a guide's mask, EOS blocked under min_tokens, logprobs and
+    prompt logprobs give what the single-process engine gives."""
+    folder = write_with_random_vectors(CASES["deepseek-v3-mla"], tmp_path)
+    prompts = make_prompts(256, [6, 13, 4, 9], seed=5)
+    eos = 7
+    params = [
+        SamplingParams(temperature=0.9, seed=11, top_k=40, max_tokens=9, logprobs=2),
+        SamplingParams(
+            temperature=0.7, seed=3, repetition_penalty=1.3, presence_penalty=0.5,
+            max_tokens=7, prompt_logprobs=1, logit_bias={5: 3.0},
+        ),
+        SamplingParams(temperature=0.0, max_tokens=6, guide_factory=lambda: AllowedSet(list(range(0, 256, 3)))),
+        SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, logit_bias={eos: 50.0}),
+    ]  # fmt: skip
+    common = dict(dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=64)
+    outputs = {}
+    for name, extra in {
+        "single": {},
+        "dp": dict(data_parallel_size=2, enable_expert_parallel=True),
+    }.items():
+        llm = LLM(str(folder), **common, **extra)
+        llm.engine.eos_token_ids = {eos}
+        try:
+            outputs[name] = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+    for single, dp in zip(outputs["single"], outputs["dp"]):
+        a, b = single.outputs[0], dp.outputs[0]
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+        assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
+        assert [e.keys() for e in b.logprobs or []] == [e.keys() for e in a.logprobs or []]
+        assert [e and e.keys() for e in dp.prompt_logprobs or []] == [
+            e and e.keys() for e in single.prompt_logprobs or []
+        ]
+    guided, bounded = outputs["dp"][2].outputs[0], outputs["dp"][3].outputs[0]
+    assert all(t % 3 == 0 for t in guided.token_ids)
+    assert eos not in bounded.token_ids[:4] and bounded.token_ids[4:] == [eos]
+    assert bounded.finish_reason == "stop"
+    assert outputs["dp"][1].prompt_logprobs is not None
