@@ -37,14 +37,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-expert-parallel",
         "-ep",
         action="store_true",
-        help="MoE: split the experts whole over the GPUs (attention stays tensor parallel)",
+        help="MoE: split the experts whole over the GPUs (attention tensor or data parallel)",
     )
     parser.add_argument(
         "--data-parallel-size",
         "-dp",
         type=int,
         default=1,
-        help="MLA models: data-parallel attention with expert-parallel MoE (not yet runnable)",
+        help="MLA models: one batch and KV cache per GPU, MoE experts split over them (needs"
+        " -ep; --max-num-seqs and --max-num-batched-tokens are per GPU)",
     )
     parser.add_argument("--no-prefix-caching", action="store_true", help="no KV block reuse")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

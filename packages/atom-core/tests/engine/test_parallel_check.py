@@ -8,7 +8,8 @@ import torch
 
 import atom.engine.llm_engine
 from atom import LLM
-from atom.config import ConfigError
+from atom.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
+from atom.engine.parallel_check import check_parallel
 from atom.testing import tiny_config
 from tests.models.harness import write_checkpoint
 from tests.models.test_deepseek import v2_config
@@ -52,7 +53,7 @@ BAD_SETTINGS = {
     "dp-without-mla": ("moe-6-experts", dict(data_parallel_size=2, enable_expert_parallel=True), r"data-parallel attention is for MLA models .* Qwen3MoeForCausalLM has MHA"),
     "dp-without-ep": ("mla", dict(data_parallel_size=2), r"data_parallel_size=2 needs enable_expert_parallel"),
     "dp-with-tp": ("mla", dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True), r"runs each rank's attention whole"),
-    "dp-not-yet": ("mla", dict(data_parallel_size=2, enable_expert_parallel=True), r"does not run data-parallel attention yet"),
+    "dp-experts": ("mla", dict(data_parallel_size=3, enable_expert_parallel=True), r"is not divisible by the expert-parallel size 3"),
     "zero-ranks": ("dense", dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be at least 1"),
 }  # fmt: skip
 
@@ -62,6 +63,41 @@ def test_bad_parallel_setting_is_one_clear_error(checkpoints, name):
     model, settings, message = BAD_SETTINGS[name]
     with pytest.raises(ConfigError, match=message):
         LLM(checkpoints[model], skip_tokenizer_init=True, **settings)
+
+
+VALID_SETTINGS = {
+    "dp-attention": ("mla", dict(data_parallel_size=2, enable_expert_parallel=True)),
+    "ep-with-tp": ("moe-6-experts", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(VALID_SETTINGS))
+def test_valid_parallel_setting_reaches_the_executor(checkpoints, name):
+    model, settings = VALID_SETTINGS[name]
+    with pytest.raises(AssertionError, match="the executor started"):
+        LLM(checkpoints[model], skip_tokenizer_init=True, **settings)
+
+
+def test_more_data_parallel_gpus_than_visible(checkpoints, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"data_parallel_size=2, enable_expert_parallel needs 2"):
+        LLM(
+            checkpoints["mla"],
+            device="cuda",
+            skip_tokenizer_init=True,
+            data_parallel_size=2,
+            enable_expert_parallel=True,
+        )
+
+
+def test_data_parallel_attention_refuses_speculative_decoding(checkpoints):
+    config = EngineConfig(
+        ModelConfig.from_pretrained(checkpoints["mla"]),
+        parallel=ParallelConfig(enable_expert_parallel=True, data_parallel_size=2),
+        speculative=object(),  # any method: the check reads only that one is set
+    )
+    with pytest.raises(ConfigError, match="speculative decoding does not run with data-par"):
+        check_parallel(config)
 
 
 def test_more_gpus_than_visible(checkpoints, monkeypatch):

@@ -11,6 +11,14 @@ tokens an async step reads on the device) follow their message by `dist.broadcas
 TP group, so they never visit the host. With enable_expert_parallel the same group
 splits the MoE experts whole (atom.expert_parallel): attention is tensor parallel, so
 every rank holds every token and the experts' outputs meet in one all-reduce.
+
+With data_parallel_size N (data-parallel attention, MLA models), the N ranks each hold
+the whole model but their share of the experts, their own KV cache and their own batch:
+the tensor-parallel group is each rank alone, the expert-parallel group is the world
+with `GatheredTokens`. Rank 0 broadcasts every rank's part of a step in one message
+(`RankStep`s, whose token counts `GatheredTokens` needs before the forward); every rank
+runs a forward, one with nothing scheduled a zero-token one, since the MoE collectives
+need all of them; each samples its own rows and rank 0 gathers the results.
 """
 
 from __future__ import annotations
@@ -36,8 +44,15 @@ from atom.engine.model_runner import (
     kv_cache_bytes_per_block,
     kv_cache_page_parts,
 )
+from atom.engine.rank_sampling import RankResult, RankSampler, RankStep
 from atom.engine.state_cache import allocate_state_cache, num_state_slots, state_bytes_per_slot
-from atom.expert_parallel import ExpertParallel, ReplicatedTokens, set_expert_parallel
+from atom.expert_parallel import (
+    ExpertParallel,
+    GatheredTokens,
+    ReplicatedTokens,
+    get_expert_parallel,
+    set_expert_parallel,
+)
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
 from atom.speculative.state_rollback import StateCheckpoints
 from atom.symmetric_all_reduce import SymmetricAllReduce
@@ -48,8 +63,9 @@ def _rank_device(device: str, rank: int) -> torch.device:
 
 
 def _init_group(config: EngineConfig, rank: int, port: int) -> dist.ProcessGroup:
-    """Joins the TP group; returns a gloo group for broadcasting step inputs."""
-    world = config.parallel.tensor_parallel_size
+    """Joins the TP group (under DP attention: the EP group); returns a gloo group for
+    broadcasting step inputs."""
+    world = config.parallel.world_size
     backend = "nccl" if config.device == "cuda" else "gloo"
     if config.device == "cuda":
         torch.cuda.set_device(rank)
@@ -58,9 +74,14 @@ def _init_group(config: EngineConfig, rank: int, port: int) -> dist.ProcessGroup
     )
     device = _rank_device(config.device, rank)
     group = TorchDistributedGroup(None, SymmetricAllReduce.create(dist.group.WORLD, device))
-    set_tp_group(group)
-    if config.parallel.enable_expert_parallel:
-        set_expert_parallel(ExpertParallel(group, ReplicatedTokens(group)))
+    if config.parallel.data_parallel_size > 1:
+        # Attention, dense layers, embeddings and LM head whole on every rank.
+        set_tp_group(SingleProcessGroup())
+        set_expert_parallel(ExpertParallel(group, GatheredTokens(group)))
+    else:
+        set_tp_group(group)
+        if config.parallel.enable_expert_parallel:
+            set_expert_parallel(ExpertParallel(group, ReplicatedTokens(group)))
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
@@ -115,7 +136,9 @@ class _Shard:
             self.model, num_state_slots(config.max_num_seqs), self.device
         )
         runner = ModelRunner(self.model, cache.block_size, self.device, len(self.kv_groups))
-        if config.use_cuda_graphs:
+        # Under DP attention a captured graph would bake every rank's token count into its
+        # collectives: DP decode runs eagerly (LLMEngine logs it).
+        if config.use_cuda_graphs and config.parallel.data_parallel_size == 1:
             runner.capture_cuda_graphs(config.max_num_seqs, config.model.max_model_len)
         return runner
 
@@ -123,9 +146,27 @@ class _Shard:
 class _RankSteps:
     """What every rank runs on its shard, called alike on rank 0 and on the workers."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, config: EngineConfig, rank: int, control=None):
         self.runner = runner
         self.checkpoints: StateCheckpoints | None = None
+        self.rank = rank
+        self.control = control
+        self.rank_sampler = None
+        if config.parallel.data_parallel_size > 1:
+            self.rank_sampler = RankSampler(config.seed, compile=config.compile)
+
+    def step_data_parallel(self, steps: list[RankStep]) -> list[RankResult] | None:
+        """Data-parallel attention: this rank's part of the step, run and sampled; rank 0
+        gets every rank's results (in rank order), the others None."""
+        own = steps[self.rank]
+        get_expert_parallel().exchange.begin_step([step.num_tokens for step in steps])
+        # A rank with no sequences still runs (zero tokens): the MoE layers' collectives
+        # wait for every rank.
+        logits = self.runner.execute(own.inputs, own.logit_rows)
+        result = self.rank_sampler.sample(logits, own)
+        gathered = [None] * len(steps) if self.rank == 0 else None
+        dist.gather_object(result, gathered, dst=0, group=self.control)
+        return gathered
 
     def execute(self, inputs: list[StepInput], logit_rows: list[int], feed=None):
         return self.runner.execute(inputs, logit_rows, feed)
@@ -178,12 +219,12 @@ def _unwire(arg, device: torch.device):
 
 
 def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.tensor_parallel_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.world_size))
     control = _init_group(config, rank, port)
     shard = _Shard(config, rank, progress=False)
+    num_blocks = _agree_on_num_blocks(config, shard, rank, control)
+    steps = _RankSteps(shard.allocate(num_blocks), config, rank, control)
     message = [None]
-    dist.broadcast_object_list(message, src=0, group=control)
-    steps = _RankSteps(shard.allocate(message[0]))
     while True:
         dist.broadcast_object_list(message, src=0, group=control)
         if message[0] is None:
@@ -193,9 +234,30 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _agree_on_num_blocks(config: EngineConfig, shard: _Shard, rank: int, control) -> int:
+    """The KV pages every rank allocates: num_blocks if given, else the fewest any rank's
+    memory holds (each rank allocates its own cache; TP shards must agree, and DP ranks'
+    schedulers each plan with the same pool)."""
+    if config.cache.num_blocks:
+        return config.cache.num_blocks
+    try:
+        own = shard.blocks_from_memory()
+    except ConfigError:
+        if rank == 0 or control is None:
+            raise
+        own = 0  # rank 0 reports it below
+    if control is None:
+        return own
+    fewest = torch.tensor([own], dtype=torch.int64)
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=control)
+    if fewest.item() < 1:
+        raise ConfigError("a rank's KV cache budget is below one block")
+    return int(fewest.item())
+
+
 class Executor:
     def __init__(self, config: EngineConfig):
-        self.world_size = config.parallel.tensor_parallel_size
+        self.world_size = config.parallel.world_size
         self.workers: list[mp.Process] = []
         if self.world_size > 1:
             port = _free_port()
@@ -207,10 +269,11 @@ class Executor:
             for worker in self.workers:
                 worker.start()
             self.control = _init_group(config, 0, port)
+        control = self.control if self.workers else None
         shard = _Shard(config, 0, progress=True)
         self.model = shard.model
         self.cache_dtype = shard.cache_dtype
-        self.num_blocks = config.cache.num_blocks or shard.blocks_from_memory()
+        self.num_blocks = _agree_on_num_blocks(config, shard, 0, control)
         self.kv_layout = KVCacheLayout(
             shard.kv_groups,
             self.num_blocks,
@@ -221,9 +284,8 @@ class Executor:
                 shard.model, config.cache.block_size, shard.cache_dtype, shard.kv_groups
             ),
         )
-        self._broadcast(self.num_blocks)
         self.runner = shard.allocate(self.num_blocks)
-        self.steps = _RankSteps(self.runner)
+        self.steps = _RankSteps(self.runner, config, 0, control)
         self.state_cache_bytes = shard.state_cache_bytes
 
     def _broadcast(self, message) -> None:
@@ -260,6 +322,11 @@ class Executor:
         """One drafter forward and its draft tokens (ModelRunner.draft) over `hidden`, the
         hidden states rank 0 picked from its sequences' backlogs."""
         return self._call("draft", inputs, hidden, step, rows)
+
+    def step_data_parallel(self, steps: list[RankStep]) -> list[RankResult]:
+        """Data-parallel attention: every rank runs and samples its `steps[rank]`; the
+        ranks' results, in rank order."""
+        return self._call("step_data_parallel", steps)
 
     def roll_back(self, kept_rows: list[int]) -> None:
         """After a hybrid model's verify step: its states after the rows that stand."""

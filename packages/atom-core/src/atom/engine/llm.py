@@ -54,7 +54,11 @@ class LLM:
         """model: a local HF checkpoint folder or a hub id (read from huggingface_hub's
         cache, downloaded if missing). seed: seeds the random sampling of requests
         that give no seed of their own (vLLM's `seed`). speculative_config: as vLLM's,
-        e.g. {"method": "mtp", "num_speculative_tokens": 3} (atom.speculative.config)."""
+        e.g. {"method": "mtp", "num_speculative_tokens": 3} (atom.speculative.config).
+        data_parallel_size: MLA models, with enable_expert_parallel: that many GPUs (CPU
+        processes), each with the whole attention, its own KV cache and its own batch, the
+        MoE experts split over them; max_num_seqs and max_num_batched_tokens are per rank,
+        and stats() sums the ranks' pools (docs/architecture.md, "Parallelism")."""
         speculative = (
             SpeculativeConfig.from_dict(speculative_config) if speculative_config else None
         )

@@ -12,11 +12,13 @@ import torch
 
 from atom.config import EngineConfig
 from atom.engine.block_manager import BlockManager
+from atom.engine.data_parallel_scheduler import DataParallelBatch, DataParallelScheduler
 from atom.engine.detokenizer import Detokenizer, find_stop_string
 from atom.engine.executor import Executor
 from atom.engine.model_runner import select_rows
 from atom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from atom.engine.parallel_check import check_parallel
+from atom.engine.rank_sampling import RankResult, RankStep, SampleRow
 from atom.engine.sampler import PendingSamples, Sampler, prompt_logprob_entries, uses_penalties
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
@@ -73,22 +75,40 @@ class LLMEngine:
         prefix_caching = config.cache.enable_prefix_caching and not hybrid
         if hybrid and config.cache.enable_prefix_caching:
             logger.info("prefix caching is off: the model keeps per-request state (hybrid)")
-        self.block_manager = BlockManager(
-            self.executor.num_blocks,
-            config.cache.block_size,
-            prefix_caching,
-            self.kv_layout.windows,
-        )
+
+        def make_block_manager() -> BlockManager:
+            return BlockManager(
+                self.executor.num_blocks,
+                config.cache.block_size,
+                prefix_caching,
+                self.kv_layout.windows,
+            )
+
         self.draft_policy = None
         if config.speculative is not None:
             self.draft_policy = DraftPolicy(config.speculative, config.model.max_model_len)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            StateSlots(config.max_num_seqs) if hybrid else None,
-            self.draft_policy.num_drafts if self.draft_policy is not None else None,
-        )
+        self.data_parallel_size = config.parallel.data_parallel_size
+        if self.data_parallel_size > 1:
+            # One scheduler and block manager per DP rank; every rank's pool has the same
+            # size, so rank 0's block manager answers the admission checks.
+            self.scheduler = DataParallelScheduler(
+                make_block_manager,
+                self.data_parallel_size,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                (lambda: StateSlots(config.max_num_seqs)) if hybrid else None,
+            )
+            self.block_manager = self.scheduler.block_managers[0]
+            self._done_seq_ids: list[list[int]] = [[] for _ in range(self.data_parallel_size)]
+        else:
+            self.block_manager = make_block_manager()
+            self.scheduler = Scheduler(
+                self.block_manager,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                StateSlots(config.max_num_seqs) if hybrid else None,
+                self.draft_policy.num_drafts if self.draft_policy is not None else None,
+            )
         self.proposer = None
         self.spec_stats = SpeculativeStats()
         if config.speculative is not None:
@@ -105,6 +125,18 @@ class LLMEngine:
         if async_scheduling and config.speculative is not None:
             logger.info("async scheduling is off: speculative decoding verifies on the host")
             async_scheduling = False
+        if self.data_parallel_size > 1:
+            if config.use_cuda_graphs:
+                logger.info(
+                    "CUDA graphs are off: data-parallel attention runs every rank's step "
+                    "eagerly (a graph would fix the ranks' token counts)"
+                )
+            if async_scheduling:
+                logger.info(
+                    "async scheduling is off: data-parallel ranks return sampled tokens "
+                    "to rank 0 before the next step"
+                )
+                async_scheduling = False
         self.async_scheduling = async_scheduling
         self._in_flight: _Step | None = None
         logger.info("%s", self.kv_cache_summary())
@@ -188,7 +220,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._finish_sequence(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -236,6 +268,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return None
+        if isinstance(batch, DataParallelBatch):
+            return self._launch_data_parallel(batch)
         drafts = [[] for _ in batch.seqs]
         if self.proposer is not None:
             drafts = self.proposer.propose(batch.seqs, batch.num_drafts)
@@ -290,6 +324,34 @@ class LLMEngine:
             ]
         return step
 
+    def _launch_data_parallel(self, batch: DataParallelBatch) -> _Step:
+        """Every DP rank runs its own batch (an empty one: zero tokens) and samples its
+        rows; the step's plan covers all of them, in rank order, for the bookkeeping."""
+        no_drafts = [[] for _ in batch.seqs]
+        plan = _StepPlan(batch.seqs, batch.num_new_tokens, no_drafts)
+        vocab = self.config.model.hf_config.vocab_size
+        # Prompt logprobs read logits on rank 0: then every rank sends its rows, so the
+        # ranks' rows concatenate into the plan's.
+        keep_logits = bool(plan.prompt_logprobs)
+        steps = []
+        for rank in range(self.data_parallel_size):
+            seqs, num_new_tokens = batch.of_rank(rank)
+            part = _StepPlan(seqs, num_new_tokens, [[] for _ in seqs])
+            rows = [SampleRow.of(seq, self._blocked(seq), vocab) for seq in part.samples]
+            steps.append(
+                RankStep(part.inputs, part.rows, part.sample_rows, rows, keep_logits,
+                         self._done_seq_ids[rank])
+            )  # fmt: skip
+            self._done_seq_ids[rank] = []
+        results = self.executor.step_data_parallel(steps)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        logits = torch.cat([r.logits for r in results]) if keep_logits else None
+        return _Step(batch.seqs, plan, logits, _GatheredSamples(results))
+
+    def _blocked(self, seq: Sequence):
+        return self.eos_token_ids if seq.num_output_tokens < seq.params.min_tokens else ()
+
     def _finish(self, step: _Step, finished_only: bool) -> list[RequestOutput]:
         """Brings a step's tokens to the host, then does its bookkeeping."""
         results = step.samples.results() if step.samples is not None else []
@@ -308,12 +370,11 @@ class LLMEngine:
         for seq, result in zip(step.plan.samples, results):
             if seq in live:
                 self._take_token(seq, result, arrived)
-        block_manager = self.block_manager
-        hashing = block_manager.enable_prefix_caching
-        block_size = block_manager.block_size
+        hashing = self.block_manager.enable_prefix_caching
+        block_size = self.block_manager.block_size
         for seq in running:
             if hashing and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
-                block_manager.register_full_blocks(seq)
+                self._block_manager_of(seq).register_full_blocks(seq)
         for seq, first, last, row in step.plan.prompt_logprobs:
             rows = step.logits[row : row + last - first]
             targets = seq.token_ids[first + 1 : last + 1]
@@ -348,7 +409,7 @@ class LLMEngine:
             if seq.is_finished:
                 return
         seq.num_computed_tokens += len(emitted) - 1
-        if self.block_manager.enable_prefix_caching:
+        if self.block_manager.enable_prefix_caching:  # no drafts under DP: rank 0's pool
             self.block_manager.register_full_blocks(seq)
 
     def _take_token(self, seq: Sequence, result, arrived: float) -> None:
@@ -372,7 +433,18 @@ class LLMEngine:
             # short (re-decoding would bring the stop string back).
             if not isinstance(seq.stop_reason, str):
                 self.detokenizer.update(seq, leave_out_last=stopping_token)
-            self.scheduler.finish(seq)
+            self._finish_sequence(seq)
+
+    def _finish_sequence(self, seq: Sequence) -> None:
+        if self.data_parallel_size > 1 and seq.seed is not None and seq in self.scheduler.rank_of:
+            # Its rank drops the sequence's generator with its next step.
+            self._done_seq_ids[self.scheduler.rank_of[seq]].append(seq.seq_id)
+        self.scheduler.finish(seq)
+
+    def _block_manager_of(self, seq: Sequence) -> BlockManager:
+        if self.data_parallel_size > 1:
+            return self.scheduler.block_manager_of(seq)
+        return self.block_manager
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Sets the sequence's finish reason where `token` ends it; True when `token` is
@@ -430,13 +502,14 @@ class LLMEngine:
         self.executor.shutdown()
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        """Under DP attention: summed over the ranks (their pools, their prefix caches)."""
+        bm = self.scheduler if self.data_parallel_size > 1 else self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_blocks,
-            kv_cache_usage=bm.usage,
+            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
@@ -507,6 +580,16 @@ class _StepPlan:
         hybrid model's DeltaNet layers keep of them (state_rollback.StateCheckpoints)."""
         slots = [seq.state_slot for seq, _ in self.verified]
         return slots, self.verified_starts, self.verified_num_rows
+
+
+class _GatheredSamples:
+    """The DP ranks' sampled tokens, already on rank 0's host (PendingSamples' results)."""
+
+    def __init__(self, results: list[RankResult]):
+        self._results = [sample for result in results for sample in result.samples]
+
+    def results(self):
+        return self._results
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

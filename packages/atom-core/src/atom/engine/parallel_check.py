@@ -63,6 +63,11 @@ def check_parallel(config: EngineConfig) -> None:
         )
     if parallel.data_parallel_size > 1:
         _check_data_parallel_attention(parallel, entry.architecture, entry.attention)
+        if config.speculative is not None:
+            raise ConfigError(
+                f"data_parallel_size={parallel.data_parallel_size}: speculative decoding "
+                "does not run with data-parallel attention yet"
+            )
     if parallel.world_size > 1:
         _build_on_meta_as_rank_0(config)
 
@@ -84,11 +89,6 @@ def _check_data_parallel_attention(parallel: ParallelConfig, arch: str, attentio
             f"{parallel.tensor_parallel_size}: data-parallel attention runs each rank's "
             "attention whole (tensor_parallel_size=1)"
         )
-    raise ConfigError(
-        f"data_parallel_size={parallel.data_parallel_size}: the native engine does not run "
-        "data-parallel attention yet (its layers do; docs/architecture.md, 'Data-parallel "
-        "attention'); use tensor_parallel_size with enable_expert_parallel"
-    )
 
 
 @contextmanager

@@ -42,7 +42,10 @@ def grouped_topk_torch(
     scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(-1)
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_expert_group and num_expert_group > 1:
-        grouped = choice.view(choice.shape[0], num_expert_group, -1)
+        # Explicit sizes: a data-parallel rank with no tokens this step routes zero rows.
+        grouped = choice.view(
+            choice.shape[0], num_expert_group, choice.shape[1] // num_expert_group
+        )
         # DeepSeek-V3 (biased) ranks groups by their two best experts; V2 by its best one.
         if correction_bias is not None:
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)

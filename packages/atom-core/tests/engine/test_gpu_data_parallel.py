@@ -1,0 +1,41 @@
+"""Data-parallel attention on 2 GPUs (NCCL, Triton kernels): each GPU runs its own batch
+with the whole MLA attention and half of the experts, and the greedy tokens equal HF
+transformers' in fp32. CUDA graphs are off under DP (one log line), so the cuda-graphs
+case checks that asking for them runs eagerly and right. One command on the lent 2-GPU
+machine: `pytest -m gpu tests/engine/test_gpu_data_parallel.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.test_gpu_engine import check_greedy_on_gpu
+from tests.models.harness import check_greedy_generation, write_with_random_vectors
+from tests.models.test_deepseek import CASES as DEEPSEEK_CASES
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    pytest.mark.usefixtures("hf_v2_group_limited_greedy"),
+]
+
+CASES = {
+    "deepseek-v2-mla": DEEPSEEK_CASES["v2-group-limited-qlora-dense1"],
+    "deepseek-v3-mla": DEEPSEEK_CASES["v3-grouped-qlora-dense1"],
+}
+DATA_PARALLEL = dict(data_parallel_size=2, enable_expert_parallel=True)
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_data_parallel_attention_greedy_matches_hf(tmp_path, name, enforce_eager):
+    check_greedy_on_gpu(
+        write_with_random_vectors(CASES[name], tmp_path), enforce_eager, **DATA_PARALLEL
+    )
+
+
+def test_gpu_data_parallel_idle_rank_runs_zero_token_steps(tmp_path):
+    """One prompt on two GPUs: the other rank's forwards have no tokens (empty attention
+    metadata, zero-row routing) and its MoE collectives still meet rank 0's."""
+    folder = write_with_random_vectors(CASES["deepseek-v3-mla"], tmp_path)
+    check_greedy_generation(folder, [37], 12, device="cuda", **DATA_PARALLEL)
