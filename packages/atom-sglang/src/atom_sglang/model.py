@@ -54,7 +54,7 @@ from atom_sglang.attention_layer import (
 )
 from atom_sglang.backend import AtomAttnBackend, atom_backend_of
 from atom_sglang.config import UnsupportedSglangFeature, atom_model_config
-from atom_sglang.distributed import install_sglang_tp_group
+from atom_sglang.distributed import install_sglang_groups
 from atom_sglang.patches import (
     capture_decode_batches_up_to,
     decode_graphs_enabled,
@@ -89,7 +89,7 @@ class AtomForCausalLM(nn.Module):
         self.entry: ModelEntry = get_entry(self.atom_architecture)
         self.adapter: SglangAdapter = adapter_for(self.entry)
         self.config = config
-        self.tp_group = install_sglang_tp_group()
+        self.tp_group = install_sglang_groups()
         atom_quant = get_quant_config(config)
         model_cls = self.entry.load_class()
         with (

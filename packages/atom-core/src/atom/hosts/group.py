@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from atom.distributed import set_tp_group
+from atom.expert_parallel import ExpertParallel, ReplicatedTokens, set_expert_parallel
+
 
 class CoordinatorTensorParallelGroup:
     """rank / world_size / all_reduce / all_gather over a host's group coordinator."""
@@ -34,3 +37,16 @@ class CoordinatorTensorParallelGroup:
             f"{type(self).__name__}({type(self.coordinator).__name__}, "
             f"rank={self.rank}, world_size={self.world_size})"
         )
+
+
+def install_host_groups(coordinator: Any, expert_parallel: bool) -> CoordinatorTensorParallelGroup:
+    """A host's TP group as the one ATOM's layers shard over in this worker, and with
+    `expert_parallel` the group ATOM's MoE layers split their experts over. Only where the
+    host's expert-parallel group is its TP group: attention stays tensor parallel, every
+    rank holds every token, and the experts' outputs meet in one all-reduce
+    (`ReplicatedTokens`). Called before the model is built; clears what an earlier model
+    of the process installed."""
+    group = CoordinatorTensorParallelGroup(coordinator)
+    set_tp_group(group)
+    set_expert_parallel(ExpertParallel(group, ReplicatedTokens(group)) if expert_parallel else None)
+    return group
