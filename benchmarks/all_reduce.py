@@ -1,6 +1,6 @@
 """NCCL's all-reduce against the one-shot symmetric-memory one (atom.symmetric_all_reduce)
 over message sizes, on the machine's GPUs: the size where NCCL starts to win is the
-one-shot path's DEFAULT_MAX_BYTES. Each rank captures 50 all-reduces in one CUDA graph, as
+one-shot path's MAX_BYTES_BY_WORLD. Each rank captures 50 all-reduces in one CUDA graph, as
 decode steps run them, and times its replays; every result is first checked against NCCL.
 
     python benchmarks/all_reduce.py [--gpus N]

@@ -5,8 +5,8 @@ tensor-parallel model runs two per layer on a few rows, and that latency, not ba
 decides how much a second GPU buys (issue #32). Torch's symmetric memory maps every
 rank's copy of one buffer into each GPU's address space; its one-shot all-reduce copies
 this rank's input into the buffer, waits on the peers' signals, and sums the peers'
-copies straight from their memory. Messages above `max_bytes` keep NCCL, which moves
-them at full bandwidth.
+copies straight from their memory. Messages above `max_bytes` keep NCCL, whose ring
+moves fewer bytes once there are more than two GPUs.
 
 NVLink multicast (NVLS) is never used: `TORCH_SYMM_MEM_DISABLE_MULTICAST` is set before
 the buffer is mapped, and only the one-shot (peer-read) kernel is called.
@@ -22,8 +22,12 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# Largest message the one-shot kernel takes (benchmarks/all_reduce.py chose it).
-DEFAULT_MAX_BYTES = 512 * 1024
+# Largest message the one-shot kernel takes, by group size. Each GPU reads its N - 1
+# peers' copies: on 2 GPUs that is the bytes a ring all-reduce moves too, so one-shot
+# stays ahead into megabytes; on more, only while latency decides. To be set from
+# benchmarks/all_reduce.py's first run on 2 and 4 H100s.
+MAX_BYTES_BY_WORLD = {2: 8 << 20}
+MAX_BYTES_OTHERWISE = 512 << 10
 
 
 class SymmetricAllReduce:
@@ -39,7 +43,7 @@ class SymmetricAllReduce:
 
     @classmethod
     def create(
-        cls, group: dist.ProcessGroup, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES
+        cls, group: dist.ProcessGroup, device: torch.device, max_bytes: int | None = None
     ) -> SymmetricAllReduce | None:
         """The one-shot path where every GPU of the group reads its peers' memory; None
         (and one logged line) where it cannot run, so every all-reduce uses NCCL."""
@@ -59,6 +63,8 @@ class SymmetricAllReduce:
             logger.info("all-reduce: NCCL only (the GPUs cannot read each other's memory)")
             return None
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        if max_bytes is None:
+            max_bytes = MAX_BYTES_BY_WORLD.get(world, MAX_BYTES_OTHERWISE)
         try:
             return cls(group, device, max_bytes)
         except (RuntimeError, ImportError) as error:
