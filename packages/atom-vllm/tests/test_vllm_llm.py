@@ -21,10 +21,10 @@ prompts, one prompt with a 48-token prefix, then three prompts sharing that pref
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
+from transformers import AutoConfig
 from vllm_harness import (
     BLOCK_SIZE,
     ENGINE,
@@ -240,10 +240,7 @@ def test_expert_parallel_splits_experts_over_vllm_tp_group(runs, checkpoints):
     if not TP2:
         pytest.skip("tensor_parallel_size=2 needs two cores")
     result = result_of(runs, "Qwen3MoeForCausalLM-atom-tp2-ep")
-    num_experts = json.loads((checkpoints("Qwen3MoeForCausalLM") / "config.json").read_text())[
-        "num_experts"
-    ]
-    half = num_experts // 2
+    half = AutoConfig.from_pretrained(checkpoints("Qwen3MoeForCausalLM")).num_experts // 2
     assert len(result.probe) == 2
     for rank, worker in enumerate(result.probe):
         held = worker["experts"]
