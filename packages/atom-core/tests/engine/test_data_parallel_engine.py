@@ -23,6 +23,8 @@ CASES = {
 PREFIX = make_prompts(256, [12], seed=3)[0]
 TAILS = make_prompts(256, [1, 9, 3, 14, 5, 2, 7], seed=7)
 MAX_TOKENS = [2, 12, 4, 9, 1, 11, 6]  # finishing at very different steps
+ENGINE = dict(dtype="float32", skip_tokenizer_init=True, block_size=4)
+DATA_PARALLEL = dict(data_parallel_size=2, enable_expert_parallel=True)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -37,11 +39,8 @@ def test_data_parallel_attention_greedy_matches_hf(tmp_path, name):
     expected = references.hf_greedy(folder, prompts, max_tokens=max(MAX_TOKENS))
     llm = LLM(
         str(folder),
-        dtype="float32",
-        skip_tokenizer_init=True,
-        data_parallel_size=2,
-        enable_expert_parallel=True,
-        block_size=4,
+        **ENGINE,
+        **DATA_PARALLEL,
         num_blocks=64,
         max_num_seqs=2,  # per rank: 7 prompts over 2 x 2 seats, admitted while others run
     )
@@ -88,16 +87,7 @@ def test_data_parallel_preemption_stays_within_a_rank(tmp_path):
     folder = write_with_random_vectors(CASES["deepseek-v2-mla"], tmp_path)
     prompts = make_prompts(256, [17, 9, 20, 12], seed=11)
     expected = references.hf_greedy(folder, prompts, max_tokens=12)
-    llm = LLM(
-        str(folder),
-        dtype="float32",
-        skip_tokenizer_init=True,
-        data_parallel_size=2,
-        enable_expert_parallel=True,
-        block_size=4,
-        num_blocks=9,
-        enable_prefix_caching=False,
-    )
+    llm = LLM(str(folder), **ENGINE, **DATA_PARALLEL, num_blocks=9, enable_prefix_caching=False)
     try:
         outputs = llm.generate(prompts, greedy(12), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -123,13 +113,9 @@ def test_data_parallel_sampling_features_equal_the_single_process_engine(tmp_pat
         SamplingParams(temperature=0.0, max_tokens=6, guide_factory=lambda: AllowedSet(list(range(0, 256, 3)))),
         SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, logit_bias={eos: 50.0}),
     ]  # fmt: skip
-    common = dict(dtype="float32", skip_tokenizer_init=True, block_size=4, num_blocks=64)
     outputs = {}
-    for name, extra in {
-        "single": {},
-        "dp": dict(data_parallel_size=2, enable_expert_parallel=True),
-    }.items():
-        llm = LLM(str(folder), **common, **extra)
+    for name, extra in {"single": {}, "dp": DATA_PARALLEL}.items():
+        llm = LLM(str(folder), **ENGINE, **extra, num_blocks=64)
         llm.engine.eos_token_ids = {eos}
         try:
             outputs[name] = llm.generate(prompts, params, use_tqdm=False)
