@@ -72,6 +72,20 @@ def vllm_model_class(architecture: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module), class_name)
 
 
+def vllm_own_model(architecture: str, vllm_config: Any, prefix: str, reason: str) -> nn.Module:
+    """vLLM's own model for `architecture`, built where ATOM's is registered, with one log
+    line saying why (`vllm_own_reason`)."""
+    vllm_cls = vllm_model_class(architecture)
+    logger.info(
+        "%s: %s runs vLLM's %s.%s, not ATOM's",
+        reason,
+        architecture,
+        vllm_cls.__module__,
+        vllm_cls.__qualname__,
+    )
+    return vllm_cls(vllm_config=vllm_config, prefix=prefix)
+
+
 class AtomForCausalLM(nn.Module):
     """vLLM's text-generation model interface around an ATOM model."""
 
@@ -81,15 +95,8 @@ class AtomForCausalLM(nn.Module):
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
         reason = vllm_own_reason(vllm_config) if vllm_config is not None else None
         if reason is not None:
-            vllm_cls = vllm_model_class(cls.atom_architecture)
-            logger.info(
-                "%s: %s runs vLLM's %s.%s, not ATOM's",
-                reason,
-                cls.atom_architecture,
-                vllm_cls.__module__,
-                vllm_cls.__qualname__,
-            )
-            return vllm_cls(vllm_config=vllm_config, prefix=kwargs.get("prefix", ""))
+            prefix = kwargs.get("prefix", "")
+            return vllm_own_model(cls.atom_architecture, vllm_config, prefix, reason)
         return super().__new__(cls)
 
     def __init__(self, *, vllm_config: Any, prefix: str = ""):

@@ -41,7 +41,7 @@ from atom_vllm import MTP_DRAFT_ARCHITECTURES
 from atom_vllm.attention_layer import vllm_attention_factory
 from atom_vllm.config import UnsupportedVllmFeature, bridge, vllm_own_reason
 from atom_vllm.distributed import install_vllm_groups
-from atom_vllm.model import ATOM_VLLM_LAYERS, process_atom_weights, vllm_model_class
+from atom_vllm.model import ATOM_VLLM_LAYERS, process_atom_weights, vllm_own_model
 from atom_vllm.step import StepBridge
 
 logger = init_logger("vllm.atom_vllm.mtp")
@@ -50,10 +50,10 @@ logger = init_logger("vllm.atom_vllm.mtp")
 class AtomMtpDrafter(nn.Module):
     def __new__(cls, *, vllm_config: Any, prefix: str = ""):
         # A run of vLLM's own target (model_impl="vllm", LoRA) drafts with vLLM's drafter.
-        if vllm_own_reason(vllm_config) is not None:
+        reason = vllm_own_reason(vllm_config)
+        if reason is not None:
             draft_config = vllm_config.speculative_config.draft_model_config.hf_config
-            vllm_cls = vllm_model_class(draft_config.architectures[0])
-            return vllm_cls(vllm_config=vllm_config, prefix=prefix)
+            return vllm_own_model(draft_config.architectures[0], vllm_config, prefix, reason)
         return super().__new__(cls)
 
     def __init__(self, *, vllm_config: Any, prefix: str = ""):
