@@ -4,15 +4,14 @@ bf16). The engines get the CPU workarounds through `sglang_cpu_support.engine_en
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import os
 
 import pytest
 import sglang_cpu_support
 
 from atom.registry import all_models
 from atom.testing import tiny_config
+from atom.testing.bench_check import run_check
 
 pytestmark = pytest.mark.slow
 
@@ -43,16 +42,15 @@ def _shapes(hybrid: bool) -> list[str]:
 @pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
 def test_every_sglang_family_passes_the_check(tmp_path, hybrid):
     shapes = _shapes(hybrid)
-    command = [sys.executable, "-m", "atom.cli", "bench", "check", "--device", "cpu"]
-    command += ["--engines", "sglang-atom", "--shapes", ",".join(shapes), "--streams", "2x40"]
+    options = []
     for key, value in (HYBRID_ENGINE if hybrid else CPU_ENGINE).items():
-        command += ["--sglang-option", f"{key}={value}"]
-    command += ["--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+        options += ["--sglang-option", f"{key}={value}"]
     env = sglang_cpu_support.engine_env(tmp_path) | (HYBRID_ENV if hybrid else {})
     env.pop("ATOM_DISABLE_SGLANG_PLUGIN", None)
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "out" / "check.json").read_text())["rows"]
-    assert {r["shape"] for r in rows} == set(shapes)
+    # One command per core, each engine on one thread, as sglang_harness runs its jobs.
+    processes = min(2, os.cpu_count() or 1)
+    envs = [env | {"OMP_NUM_THREADS": "1"}] * processes if processes > 1 else [env]
+    rows = run_check(shapes, "sglang-atom", options, tmp_path, envs)
+    assert sorted(r["shape"] for r in rows) == sorted(shapes)
     assert all(r["engine"] == "sglang-atom" and r["reference"] == "hf-float32" for r in rows)
     assert all(r["passed"] and r["positions"] == 78 and r["top1_agreement"] == 1.0 for r in rows)

@@ -13,7 +13,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from atom.layers.gated_delta_net import config_state_shapes
 from atom_sglang.backend import AtomAttnBackend
-from atom_sglang.state_layer import mamba_pool_states
+from atom_sglang.state_layer import mamba_pool_states, ssm_state_dtype
 
 # A Qwen3-Next-like DeltaNet: 2 key heads, 4 value heads of 16, conv width 4; the linear
 # layers are 0 and 2 (layer 1: full attention).
@@ -27,7 +27,7 @@ CONFIG = SimpleNamespace(
 LINEAR_LAYERS = [0, 2]
 
 
-def mamba_pool(conv_dtype=torch.float32) -> HybridReqToTokenPool:
+def mamba_pool(conv_dtype=torch.float32, ssm_dtype=torch.float32) -> HybridReqToTokenPool:
     key_dim, value_dim = 2 * 16, 4 * 16
     shape = Mamba2StateShape.create(
         tp_world_size=1, intermediate_size=value_dim, n_groups=2, num_heads=4, head_dim=16,
@@ -36,7 +36,7 @@ def mamba_pool(conv_dtype=torch.float32) -> HybridReqToTokenPool:
     params = Mamba2CacheParams(
         shape=shape,
         layers=LINEAR_LAYERS,
-        dtype=Mamba2StateDType(conv=conv_dtype, temporal=torch.float32),
+        dtype=Mamba2StateDType(conv=conv_dtype, temporal=ssm_dtype),
     )
     return HybridReqToTokenPool(
         size=4, mamba_size=6, mamba_spec_state_size=6, max_context_len=64, device="cpu",
@@ -99,3 +99,17 @@ def test_a_bf16_conv_pool_names_the_switch():
     shapes = config_state_shapes(CONFIG, 1, torch.float32)
     with pytest.raises(NotImplementedError, match="SGLANG_MAMBA_CONV_DTYPE"):
         mamba_pool_states(pool, 0, shapes)
+
+
+def test_recurrent_state_follows_sglangs_ssm_dtype(monkeypatch):
+    """ATOM's layers keep the recurrent state in the dtype SGLang allocates it in: float32
+    by default, the config's `mamba_ssm_dtype`, or SGLANG_MAMBA_SSM_DTYPE above both."""
+    monkeypatch.delenv("SGLANG_MAMBA_SSM_DTYPE", raising=False)
+    assert ssm_state_dtype(CONFIG) == torch.float32
+    assert ssm_state_dtype(SimpleNamespace(mamba_ssm_dtype="float16")) == torch.float16
+    monkeypatch.setenv("SGLANG_MAMBA_SSM_DTYPE", "bfloat16")
+    dtype = ssm_state_dtype(CONFIG)
+    assert dtype == torch.bfloat16
+    shapes = config_state_shapes(CONFIG, 1, torch.float32, dtype)
+    _, recurrent = mamba_pool_states(mamba_pool(ssm_dtype=dtype), 0, shapes)
+    assert recurrent.dtype == torch.bfloat16

@@ -3,14 +3,12 @@ teacher-forced against HF transformers in float32 (the command the H100 runs in 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+from vllm_harness import engine_cores, engine_env
 
 from atom.registry import all_models
 from atom.testing import tiny_config
+from atom.testing.bench_check import run_check
 
 pytestmark = pytest.mark.slow
 
@@ -26,14 +24,10 @@ SHAPES = [
 
 
 def test_every_vllm_family_passes_the_check(tmp_path):
-    command = [sys.executable, "-m", "atom.cli", "bench", "check", "--device", "cpu"]
-    command += ["--engines", "vllm-atom", "--shapes", ",".join(SHAPES), "--streams", "2x40"]
-    command += ["--vllm-option", f"kv_cache_memory_bytes={32 << 20}"]
-    command += ["--vllm-option", "enforce_eager=true"]
-    command += ["--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "out" / "check.json").read_text())["rows"]
-    assert {r["shape"] for r in rows} == set(SHAPES)
+    options = ["--vllm-option", f"kv_cache_memory_bytes={32 << 20}"]
+    options += ["--vllm-option", "enforce_eager=true"]
+    envs = [engine_env(tmp_path, {}, core) for core in engine_cores()]
+    rows = run_check(SHAPES, "vllm-atom", options, tmp_path, envs)
+    assert sorted(r["shape"] for r in rows) == sorted(SHAPES)
     assert all(r["engine"] == "vllm-atom" and r["reference"] == "hf-float32" for r in rows)
     assert all(r["passed"] and r["positions"] == 78 and r["top1_agreement"] == 1.0 for r in rows)

@@ -85,7 +85,10 @@ def runs(checkpoints, fp8_checkpoint, tmp_path_factory):
     for i, arch in enumerate(ARCHS):
         model = checkpoints(arch)
         impl = "auto" if arch == "LlamaForCausalLM" else "atom"
-        jobs.append(Job(f"{arch}-atom", model, {**ENGINE, "model_impl": impl}, rounds(i)))
+        # Llama's run keeps vLLM's engine-core process (vllm_harness runs the core in the
+        # job's process): test_plugin_logs_served_architectures_in_every_process.
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if arch == "LlamaForCausalLM" else {}
+        jobs.append(Job(f"{arch}-atom", model, {**ENGINE, "model_impl": impl}, rounds(i), env))
         if arch not in HF_ONLY:
             env = {"ATOM_DISABLE_VLLM_PLUGIN": "1"}
             jobs.append(Job(f"{arch}-stock", model, ENGINE, rounds(i), env=env))

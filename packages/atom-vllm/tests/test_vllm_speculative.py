@@ -9,12 +9,12 @@ k + 1 query tokens over its cached context; ATOM's builder keeps
 `reorder_batch_threshold = 1`, so vLLM's `split_decodes_and_prefills` counts those rows
 as prefills and ATOM's schema carries them as it carries a chunked prefill: no new step
 data. Method "mtp" builds the draft architecture vLLM names ("Glm4MoeMTPModel",
-"DeepSeekMTPModel", "DeepseekV32MTPModel"), which the plugin registers to ATOM's drafter
-(`atom_vllm.mtp`).
+"DeepSeekMTPModel", "DeepseekV32MTPModel" for V3.2 and GLM-5), which the plugin
+registers to ATOM's drafter (`atom_vllm.mtp`).
 
 The checkpoints carry an MTP layer whose drafts a random target often accepts
 (`atom.testing.mtp_checkpoints`, drafter "repeat"), so drafts are accepted at every
-position. Four engines, all with chunked prefill and the prefix cache:
+position. Five engines, all with chunked prefill and the prefix cache:
 
 * "glm": ATOM's GLM-4.5 and ATOM's MTP drafter;
 * "glm-stock": the plugin off, vLLM's own GLM-4.5 and its `Glm4MoeMTP`: the same tokens
@@ -25,7 +25,9 @@ position. Four engines, all with chunked prefill and the prefix cache:
 * "v32": ATOM's DeepSeek-V3.2 (sparse attention; the MTP layer has its own indexer) and
   ATOM's MTP drafter, against the native engine (vLLM's own stops on CPU). The prompts
   run past the tiny config's top 8, and some keys score exactly alike: a verify step's
-  query must select what a decode's does (atom.kernels.indexer.best_positions).
+  query must select what a decode's does (atom.kernels.indexer.best_positions);
+* "glm5": ATOM's GLM-5 (the same sparse attention on GLM's config; vLLM names its MTP
+  drafter "DeepseekV32MTPModel" too) and ATOM's MTP drafter, against the native engine.
 
 and two with an EAGLE-3 drafter (`atom.testing.eagle3_checkpoints`, drafter "repeat": it
 reads the target's last-layer output, aux layer N), which vLLM builds and runs itself:
@@ -71,6 +73,7 @@ FAMILIES = {
     "glm": ("glm-4.5", "Glm4MoeForCausalLM"),
     "v3": ("deepseek-v3", "DeepseekV3ForCausalLM"),
     "v32": ("deepseek-v3.2", "DeepseekV32ForCausalLM"),
+    "glm5": ("glm-5", "GlmMoeDsaForCausalLM"),
     "llama": ("eagle3", "LlamaForCausalLM"),
 }
 # run name -> (checkpoint family, engine env). VLLM_MLA_DISABLE=1 keeps chunked prefill
@@ -80,6 +83,7 @@ RUNS = {
     "glm-stock": ("glm", {"ATOM_DISABLE_VLLM_PLUGIN": "1"}),
     "v3": ("v3", {"VLLM_MLA_DISABLE": "1"}),
     "v32": ("v32", {"VLLM_MLA_DISABLE": "1"}),
+    "glm5": ("glm5", {"VLLM_MLA_DISABLE": "1"}),
     "llama-eagle3": ("llama", {}),
     "llama-eagle3-stock": ("llama", {"ATOM_DISABLE_VLLM_PLUGIN": "1"}),
 }
@@ -160,7 +164,7 @@ def test_greedy_tokens_with_speculation_equal_without(runs, checkpoints, name):
     arch = FAMILIES[key][1]
     if not name.endswith("-stock"):
         assert f"ATOM {arch} (" in result.log  # the target
-    if name in ("glm", "v3", "v32"):
+    if name in ("glm", "v3", "v32", "glm5"):
         assert f"ATOM MTP drafter for {arch} built for vLLM" in result.log
 
 

@@ -79,8 +79,16 @@ def test_wrapper_answers_is_hybrid_from_the_config(checkpoints):
     copy_funcs = cls.get_mamba_state_copy_funcs({MambaAttentionBackendEnum.GDN_ATTN})
     assert len(copy_funcs[MambaAttentionBackendEnum.GDN_ATTN]) == 2
 
-    config.cache_config.mamba_ssm_cache_dtype = "bfloat16"
-    with pytest.raises(UnsupportedVllmFeature, match="mamba_ssm_cache_dtype='bfloat16'"):
+    # The recurrent state follows mamba_ssm_cache_dtype ("auto": the model dtype), as vLLM's
+    # own Gated DeltaNet does; the conv state's dtype is ATOM's.
+    for option, want_ssm in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        config.cache_config.mamba_ssm_cache_dtype = option
+        assert cls.get_mamba_state_dtype_from_config(config) == (torch.float32, want_ssm)
+    config.cache_config.mamba_ssm_cache_dtype = "auto"
+    config.model_config.dtype = torch.bfloat16
+    assert cls.get_mamba_state_dtype_from_config(config) == (torch.bfloat16, torch.bfloat16)
+    config.cache_config.mamba_cache_dtype = "float32"
+    with pytest.raises(UnsupportedVllmFeature, match="mamba_cache_dtype='float32'"):
         cls.get_mamba_state_dtype_from_config(config)
 
 

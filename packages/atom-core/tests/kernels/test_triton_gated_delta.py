@@ -199,6 +199,21 @@ def test_decode(dtype):
     check(*run_both(batch, lens, 32**-0.5), dtype)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens", [[1] * 5, [1, 5, 16, 37, 2]], ids=["decode", "prefill"])
+def test_low_precision_state_pool(lens, state_dtype):
+    """A host's bf16 / fp16 state pool (vLLM's mamba_ssm_cache_dtype): the kernels load it
+    into fp32 and store it back rounded, so the outputs keep fp32's accuracy."""
+    batch = make_batch(lens, 2, 4, 32, 32, torch.float32, [True, False, True, True, False], seed=6)
+    batch["state"] = batch["state"].to(state_dtype)
+    (got_o, got_pool), (want_o, want_pool) = run_both(batch, lens, 32**-0.5)
+    assert got_pool.dtype == state_dtype
+    torch.testing.assert_close(got_o.double(), want_o, **TOL[torch.float32])
+    torch.testing.assert_close(
+        got_pool.double(), want_pool, equal_nan=True, **STATE_TOL[torch.bfloat16]
+    )
+
+
 @pytest.mark.parametrize("lens", [[1, 1, 1], [20, 37, 5]], ids=["decode", "prefill"])
 def test_padded_sequence(lens):
     """A negative slot (a padded CUDA-graph entry): zero outputs, the pool untouched."""

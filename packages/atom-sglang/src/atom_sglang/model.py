@@ -60,7 +60,7 @@ from atom_sglang.patches import (
     decode_graphs_enabled,
     keep_prefill_eager,
 )
-from atom_sglang.state_layer import SglangStateLayer, sglang_state_factory
+from atom_sglang.state_layer import SglangStateLayer, sglang_state_factory, ssm_state_dtype
 
 logger = logging.getLogger("sglang.atom_sglang.model")
 
@@ -94,7 +94,7 @@ class AtomForCausalLM(nn.Module):
         model_cls = self.entry.load_class()
         with (
             attention_backend(sglang_attention_factory(self.adapter)),
-            state_backend(sglang_state_factory),
+            state_backend(sglang_state_factory, ssm_state_dtype(config)),
         ):
             atom_model = model_cls(atom_model_config(config), atom_quant, prefix=prefix)
         setattr(self, ATOM_MODEL_ATTR, atom_model)

@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 import torch
+from sglang.srt.configs.mamba_utils import mamba2_state_dtype
 from torch import nn
 
 from atom.layers.gated_delta_net import GatedDeltaNet, StateShapes
@@ -45,7 +46,7 @@ def mamba_pool_states(
                 f"ATOM's Gated DeltaNet (layer {layer_id}) keeps its {what} state as {dtype} "
                 f"{list(shape)}; SGLang's mamba pool holds {pool.dtype} "
                 f"{list(pool.shape[1:])} (conv dtype: SGLANG_MAMBA_CONV_DTYPE, the model "
-                "dtype; recurrent: SGLANG_MAMBA_SSM_DTYPE / mamba_ssm_dtype, float32)"
+                "dtype; recurrent: SGLANG_MAMBA_SSM_DTYPE / mamba_ssm_dtype, which ATOM follows)"
             )
     return tuple(pool.view(pool.shape[0], *shape) for pool, (shape, _) in zip(pools, shapes))
 
@@ -88,6 +89,12 @@ class SglangStateLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_name!r}, layer_id={self.layer_id}"
+
+
+def ssm_state_dtype(config: Any) -> torch.dtype:
+    """The recurrent state's dtype SGLang allocates its mamba pool in (`SGLANG_MAMBA_SSM_DTYPE`,
+    else the config's `mamba_ssm_dtype`, else float32), which ATOM's layers then keep."""
+    return mamba2_state_dtype(config).temporal
 
 
 def sglang_state_factory(layer: GatedDeltaNet) -> SglangStateLayer:

@@ -108,7 +108,7 @@ class AtomForCausalLM(nn.Module):
         # vLLM's loader has set the default dtype and device for construction.
         with (
             attention_backend(vllm_attention_factory(vllm_config)),
-            state_backend(vllm_state_factory(vllm_config)),
+            state_backend(vllm_state_factory(vllm_config), ssm_state_dtype(vllm_config)),
         ):
             atom_model = model_cls(cfg.hf_config, cfg.quant_config, prefix=prefix)
         setattr(self, ATOM_MODEL_ATTR, atom_model)
@@ -198,8 +198,14 @@ def process_atom_weights(module: nn.Module) -> None:
     )
 
 
-# vLLM's own names for the state cache dtypes ATOM's Gated DeltaNet ops can take.
-_STATE_DTYPE_NAMES = {"auto", "float32"}
+# vLLM's `mamba_ssm_cache_dtype` values and the recurrent state dtype each means for ATOM's
+# Gated DeltaNet ("auto": the model dtype, as vLLM keeps its own Gated DeltaNet's state).
+_SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def ssm_state_dtype(vllm_config: Any) -> torch.dtype:
+    value = str(vllm_config.cache_config.mamba_ssm_cache_dtype)
+    return vllm_config.model_config.dtype if value == "auto" else _SSM_DTYPES[value]
 
 
 class AtomHybridForCausalLM(AtomForCausalLM):
@@ -213,19 +219,19 @@ class AtomHybridForCausalLM(AtomForCausalLM):
     def _state_shapes(cls, vllm_config: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
         model_config = vllm_config.model_config
         cache_config = vllm_config.cache_config
-        # ATOM's ops keep the conv state in the model dtype and the recurrent state in fp32.
-        for option in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
-            value = str(getattr(cache_config, option))
-            allowed = _STATE_DTYPE_NAMES if option.endswith("ssm_cache_dtype") else {"auto"}
-            if value not in allowed:
-                raise UnsupportedVllmFeature(
-                    f"ATOM's {cls.atom_architecture} in vLLM does not support "
-                    f"{option}={value!r} (supported: {', '.join(sorted(allowed))})"
-                )
+        # ATOM's ops keep the conv state in the model dtype; the recurrent state may be
+        # stored in any of _SSM_DTYPES (the math is fp32).
+        if str(cache_config.mamba_cache_dtype) != "auto":
+            raise UnsupportedVllmFeature(
+                f"ATOM's {cls.atom_architecture} in vLLM does not support "
+                f"mamba_cache_dtype={cache_config.mamba_cache_dtype!r} (supported: auto; "
+                "mamba_ssm_cache_dtype sets the recurrent state's)"
+            )
         return config_state_shapes(
             model_config.hf_text_config,
             vllm_config.parallel_config.tensor_parallel_size,
             model_config.dtype,
+            ssm_state_dtype(vllm_config),
         )
 
     @classmethod

@@ -6,7 +6,8 @@ layer registered under the ATOM layer's name (`model.layers.N.linear_attn`). vLL
 hybrid KV-cache manager therefore sees an ordinary mamba layer:
 
 * its `MambaSpec` declares ATOM's state layout (`GatedDeltaNet.state_shapes`: conv
-  `[C, K-1]` in the model dtype, recurrent `[Hv, Dk, Dv]` fp32), so vLLM sizes one block
+  `[C, K-1]` in the model dtype, recurrent `[Hv, Dk, Dv]` in `mamba_ssm_cache_dtype`'s
+  dtype, `atom_vllm.model.ssm_state_dtype`), so vLLM sizes one block
   per request for it and binds `[num_blocks, ...]` views of each state (`bind_kv_cache`,
   MambaBase's: the states of a block side by side in one page; ATOM's ops read strides);
 * its backend (`atom_vllm.backend.AtomStateBackend`) builds, per step and KV-cache group,

@@ -6,8 +6,9 @@ decay g and write strength beta [Hv] (value head h reads key head h // (Hv // Hk
 
     S = S * exp(g);  kv = k^T S;  delta = (v - kv) * beta;  S += outer(k, delta);  o = (scale q)^T S
 
-The pool `state [S, Hv, Dk, Dv]` (fp32) is indexed by `state_slots` and updated in place;
-a sequence without an initial state starts from zeros. The Triton kernel
+The pool `state [S, Hv, Dk, Dv]` (fp32, or bf16 / fp16 where the host keeps it so; the
+math is fp32 either way) is indexed by `state_slots` and updated in place; a sequence
+without an initial state starts from zeros. The Triton kernel
 (atom/kernels/triton/gated_delta.py) registers under the same op name and signature; the
 kernel policy picks it on GPUs, this reference elsewhere.
 """
@@ -19,6 +20,8 @@ import torch
 from atom.kernels.policy import dispatch, register
 
 GATED_DELTA_RULE_OP = "gated_delta_rule"
+# What a recurrent state pool may be stored in (the math is fp32 in every case).
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 L2NORM_EPS = 1e-6  # as FLA and HF transformers
 
 
@@ -56,7 +59,7 @@ def gated_delta_rule_torch(
     k32 = k32.repeat_interleave(group, dim=1)
     slots = state_slots.long()
     keep = has_initial_state.to(state.device)[:, None, None, None]
-    s = torch.where(keep, state[slots], torch.zeros((), device=state.device))
+    s = torch.where(keep, state[slots].float(), torch.zeros((), device=state.device))
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for t in range(index.shape[1]):
         rows, live = index[:, t], valid[:, t, None, None, None]
@@ -68,7 +71,7 @@ def gated_delta_rule_torch(
         s = torch.where(live, updated, s)
         o_t = torch.einsum("bhk,bhkv->bhv", q32[rows], s)
         out[rows[valid[:, t]]] = o_t[valid[:, t]]
-    state[slots] = s
+    state[slots] = s.to(state.dtype)
     return out.to(v.dtype)
 
 
@@ -88,7 +91,7 @@ def gated_delta_rule(
     """o [T, Hv, Dv] in v's dtype.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g [T, Hv] fp32 log decay; beta [T, Hv]; state
-    [S, Hv, Dk, Dv] fp32 pool (updated in place); state_slots [B] int32 (each sequence's
+    [S, Hv, Dk, Dv] pool (fp32, bf16 or fp16; updated in place); state_slots [B] int32 (each sequence's
     pool row); query_start_loc [B+1] int32; has_initial_state [B] bool (False: start
     from zeros). use_qk_l2norm normalises q and k per head first (fp32). Tokens past
     query_start_loc[B] (a host's padding) are left zero.

@@ -45,17 +45,20 @@ StateShapes = list[tuple[tuple[int, ...], torch.dtype]]
 
 def gated_delta_state_shapes(
     conv_dim: int, conv_width: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-    conv_dtype: torch.dtype,
+    conv_dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32,
 ) -> StateShapes:  # fmt: skip
     """One slot's (shape, dtype) of each state, in the layout ATOM's ops take: the conv's
-    last K-1 inputs [C, K-1] in the model dtype, and the recurrent state [Hv, Dk, Dv], fp32."""
+    last K-1 inputs [C, K-1] in the model dtype, and the recurrent state [Hv, Dk, Dv] in
+    `ssm_dtype` (the ops do their math in fp32 whatever the state is stored in)."""
     return [
         ((conv_dim, conv_width - 1), conv_dtype),
-        ((num_v_heads, head_k_dim, head_v_dim), torch.float32),
+        ((num_v_heads, head_k_dim, head_v_dim), ssm_dtype),
     ]
 
 
-def config_state_shapes(config: Any, tp_size: int, conv_dtype: torch.dtype) -> StateShapes:
+def config_state_shapes(
+    config: Any, tp_size: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32
+) -> StateShapes:
     """`gated_delta_state_shapes` of one tensor-parallel rank, from the HF config alone (for
     hosts that size their state caches before the model exists)."""
     key_dim = divide(config.linear_num_key_heads, tp_size, "linear_num_key_heads")
@@ -68,24 +71,30 @@ def config_state_shapes(config: Any, tp_size: int, conv_dtype: torch.dtype) -> S
         config.linear_key_head_dim,
         config.linear_value_head_dim,
         conv_dtype,
+        ssm_dtype,
     )
 
 
 StepState = tuple[AttentionMetadata, torch.Tensor, torch.Tensor]
 StateHostFactory = Callable[["GatedDeltaNet"], nn.Module]
 _state_host_factory: StateHostFactory | None = None
+_ssm_dtype = torch.float32
 
 
 @contextmanager
-def state_backend(factory: StateHostFactory) -> Iterator[None]:
-    """Layers built inside get `factory(layer)` as their `state_host`."""
-    global _state_host_factory
-    previous = _state_host_factory
-    _state_host_factory = factory
+def state_backend(
+    factory: StateHostFactory, ssm_dtype: torch.dtype = torch.float32
+) -> Iterator[None]:
+    """Layers built inside get `factory(layer)` as their `state_host` and keep their
+    recurrent state in `ssm_dtype`, the host's choice (vLLM's `mamba_ssm_cache_dtype`
+    keeps it in the model dtype by default, half the bytes a decode step moves)."""
+    global _state_host_factory, _ssm_dtype
+    previous = _state_host_factory, _ssm_dtype
+    _state_host_factory, _ssm_dtype = factory, ssm_dtype
     try:
         yield
     finally:
-        _state_host_factory = previous
+        _state_host_factory, _ssm_dtype = previous
 
 
 class GatedDeltaNet(nn.Module):
@@ -127,6 +136,7 @@ class GatedDeltaNet(nn.Module):
         )
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        self.ssm_dtype = _ssm_dtype
         # Last: the factory reads the layer's prefix and state shapes.
         self.state_host = _state_host_factory(self) if _state_host_factory else None
 
@@ -154,6 +164,7 @@ class GatedDeltaNet(nn.Module):
             self.head_k_dim,
             self.head_v_dim,
             self.conv1d.weight.dtype,
+            self.ssm_dtype,
         )
 
     def bind_state_cache(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:

@@ -21,7 +21,9 @@ Three kernels, so that only the state recursion is sequential:
 So the output GEMMs, twice the recursion's FLOPs, are off its critical path. W, U, the
 deltas and the chunk states go through scratch in the input dtype (bf16 for the models):
 half the traffic of fp32, while the state kernel still adds S up in fp32 (see ChunkLaunch).
-The state is a pool of per-sequence slots, so the same call serves continuous batching.
+The state is a pool of per-sequence slots, so the same call serves continuous batching;
+the pool may store S in bf16 or fp16 (a host's choice: half the bytes a decode step
+moves), which the kernels load into and add up in fp32 all the same.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.gated_delta import GATED_DELTA_RULE_OP
+from atom.kernels.gated_delta import GATED_DELTA_RULE_OP, STATE_DTYPES
 from atom.kernels.policy import capturable, register
 from atom.kernels.triton.causal_conv1d import check_varlen_batch
 from atom.kernels.triton.gated_delta_prepare import (
@@ -123,7 +125,7 @@ def _load_state(state_ptr, slot, head, has_initial, kcols, vcols, dk, dv,
     mask = (kcols[:, None] < dk) & (vcols[None, :] < dv)
     state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     if has_initial:
-        state = tl.load(ptrs, mask=mask, other=0.0)
+        state = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     return state, ptrs, mask
 
 
@@ -183,7 +185,7 @@ def _chunk_state_kernel(
             next_state = tl.dot(tl.trans(k), delta, next_state, input_precision=PRECISION)
         state = next_state
         chunk += 1
-    tl.store(state_ptrs, state, mask=state_mask)
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=state_mask)
 
 
 @triton.jit
@@ -275,7 +277,7 @@ def _recurrent_kernel(
         state = state + k[:, None] * delta[None, :]
         o = tl.sum(q[:, None] * state, axis=0)
         tl.store(o_head + t * o_stride_t, o.to(o_ptr.dtype.element_ty), mask=vmask)
-    tl.store(state_ptrs, state, mask=state_mask)
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=state_mask)
 
 
 def _check_inputs(q, k, v, g, beta, state, state_slots, query_start_loc, has_initial_state):
@@ -299,7 +301,8 @@ def _check_inputs(q, k, v, g, beta, state, state_slots, query_start_loc, has_ini
         require(tuple(x.shape) == (num_tokens, num_v_heads),
                 f"{name} {tuple(x.shape)} must be [T={num_tokens}, Hv={num_v_heads}]")  # fmt: skip
     require(g.dtype == torch.float32, f"g must be float32, got {g.dtype}")
-    require(state.dtype == torch.float32, f"state must be float32, got {state.dtype}")
+    require(state.dtype in STATE_DTYPES,
+            f"state must be float32, bfloat16 or float16, got {state.dtype}")  # fmt: skip
     require(state.dim() == 4 and tuple(state.shape[1:]) == (num_v_heads, dk, dv),
             f"state {tuple(state.shape)} must be [S, Hv={num_v_heads}, Dk={dk}, Dv={dv}]")  # fmt: skip
     check_varlen_batch("gated_delta_rule", state_slots, query_start_loc, has_initial_state)
