@@ -28,6 +28,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache storage: auto (the model dtype), fp8 or fp8_e4m3 (e4m3, per-layer scales)",
     )
     parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        help="Gated DeltaNet recurrent state storage (Qwen3-Next, Qwen3.5): auto (the model "
+        "dtype), float32, bfloat16 or float16; the math is fp32",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share to use"
     )
     parser.add_argument("--max-num-seqs", type=int, help="default: 512 on GPU, 256 on CPU")
@@ -79,6 +85,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=args.kv_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -25,6 +25,11 @@ _DTYPES = {
 
 # kv_cache_dtype values: "auto" stores K/V in the model dtype.
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# mamba_ssm_cache_dtype values (vLLM's flag): what Gated DeltaNet layers store their
+# recurrent state in; "auto" is the model dtype, as vLLM keeps it. The math is fp32.
+SSM_CACHE_DTYPES = {
+    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16
+}  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -148,6 +153,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # a key of KV_CACHE_DTYPES
+    mamba_ssm_cache_dtype: str = "auto"  # a key of SSM_CACHE_DTYPES
     # Sliding-window layers keep only their window's pages (atom.engine.kv_groups);
     # False: every layer keeps every page, as full attention does.
     window_only_kv: bool = True
@@ -158,10 +164,30 @@ class CacheConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
                 f"{sorted(KV_CACHE_DTYPES)} ('auto': the model dtype)"
             )
+        if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPES:
+            raise ConfigError(
+                f"mamba_ssm_cache_dtype={self.mamba_ssm_cache_dtype!r} is not supported; use "
+                f"one of {sorted(SSM_CACHE_DTYPES)} ('auto': the model dtype)"
+            )
 
     def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the KV cache tensors are allocated in."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
+
+    def ssm_dtype(self, model: ModelConfig) -> torch.dtype:
+        """The dtype Gated DeltaNet layers keep their recurrent state in, "auto" resolved as
+        vLLM does: the checkpoint's `mamba_ssm_dtype` (Qwen3.5 ships "float32"), else the
+        model dtype."""
+        chosen = SSM_CACHE_DTYPES[self.mamba_ssm_cache_dtype]
+        named = getattr(model.hf_config, "mamba_ssm_dtype", None)
+        if chosen is None and named is not None:
+            if named not in SSM_CACHE_DTYPES:
+                raise ConfigError(
+                    f"config.json: mamba_ssm_dtype={named!r} is not one of "
+                    f"{sorted(SSM_CACHE_DTYPES)}"
+                )
+            chosen = SSM_CACHE_DTYPES[named]
+        return chosen or model.dtype
 
 
 @dataclass

@@ -9,9 +9,12 @@ import json
 import logging
 
 import pytest
+import torch
 
+from atom import LLM
 from atom.config import ConfigError, ModelConfig
 from atom.engine.model_runner import build_model
+from atom.layers.gated_delta_net import GatedDeltaNet
 from atom.testing import tiny_config
 from tests.models.harness import (
     check_against_hf,
@@ -132,3 +135,41 @@ def test_tensor_parallel_greedy_generation_matches_hf(tmp_path, architecture):
     check_greedy_generation(
         folder, prompt_lengths=[4, 19], max_new_tokens=8, tensor_parallel_size=2
     )
+
+
+def test_bf16_recurrent_state_greedy_matches_hf(tmp_path):
+    """mamba_ssm_cache_dtype="bfloat16" (vLLM's flag): the pools store the state in bf16,
+    the ops still add it up in fp32, and the greedy tokens stay HF's (fp32)."""
+    folder = write_with_random_vectors(hybrid_config("Qwen3NextForCausalLM"), tmp_path)
+    check_greedy_generation(
+        folder, prompt_lengths=[3, 11, 26], max_new_tokens=12, mamba_ssm_cache_dtype="bfloat16"
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "in_checkpoint", "want"),
+    [
+        ("auto", None, torch.float32),  # the model dtype
+        ("bfloat16", None, torch.bfloat16),
+        ("auto", "bfloat16", torch.bfloat16),  # the checkpoint's, as Qwen3.5 ships one
+        ("float16", "float32", torch.float16),  # the setting over the checkpoint's
+    ],
+)
+def test_recurrent_state_dtype_resolves_as_vllm(tmp_path, setting, in_checkpoint, want):
+    folder = write_with_random_vectors(hybrid_config("Qwen3_5ForCausalLM"), tmp_path)
+    if in_checkpoint:
+        write_config(folder, mamba_ssm_dtype=in_checkpoint)
+    llm = LLM(str(folder), dtype="float32", skip_tokenizer_init=True,
+              kv_cache_memory_bytes=16 << 20, mamba_ssm_cache_dtype=setting)  # fmt: skip
+    layers = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, GatedDeltaNet)]
+    assert layers and all(layer.ssm_state.dtype == want for layer in layers)
+    assert all(layer.conv_state.dtype == torch.float32 for layer in layers)
+
+
+def test_bad_recurrent_state_dtype_names_the_field(tmp_path):
+    folder = write_with_random_vectors(hybrid_config("Qwen3NextForCausalLM"), tmp_path)
+    with pytest.raises(ConfigError, match="mamba_ssm_cache_dtype='int8'"):
+        LLM(str(folder), skip_tokenizer_init=True, mamba_ssm_cache_dtype="int8")
+    write_config(folder, mamba_ssm_dtype="fp4")
+    with pytest.raises(ConfigError, match="mamba_ssm_dtype='fp4'"):
+        LLM(str(folder), skip_tokenizer_init=True)

@@ -91,7 +91,13 @@ class _Shard:
     def __init__(self, config: EngineConfig, rank: int, progress: bool):
         self.config = config
         self.device = _rank_device(config.device, rank)
-        self.model = build_model(config.model, self.device, progress, config.speculative)
+        self.model = build_model(
+            config.model,
+            self.device,
+            progress,
+            config.speculative,
+            config.cache.ssm_dtype(config.model),
+        )
         self.cache_dtype = config.cache.cache_dtype(config.model.dtype)
         if self.cache_dtype == FP8_KV_CACHE_DTYPE:
             check_fp8_kv_cache(self.model, self.device, log=rank == 0)

@@ -17,6 +17,7 @@ from atom.engine.kv_groups import KVCacheGroup, attention_impls, shared_slots
 from atom.engine.step_arrays import StepInput, TokenFeed, build_step_arrays, upload
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.kv_cache import fp8_kv_cache_unsupported
+from atom.layers.gated_delta_net import state_backend
 from atom.layers.quantization import get_quant_config
 from atom.loader import load_model_weights
 from atom.speculative.config import MTP_MODULE, MTP_RECYCLES_NORMED, SpeculativeConfig
@@ -43,13 +44,15 @@ def build_model(
     device: torch.device | str,
     progress: bool = True,
     speculative: SpeculativeConfig | None = None,
+    ssm_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Instantiates the registry's class for the checkpoint and loads its weights; with
-    `speculative`, the model carries its drafter as `model.drafter`."""
+    `speculative`, the model carries its drafter as `model.drafter`. Gated DeltaNet layers
+    keep their recurrent state in `ssm_dtype`."""
     model_cls = config.entry.load_class()
     quant_config = get_quant_config(config.hf_config)
     mtp = speculative is not None and speculative.method == "mtp"
-    with torch.device(device), default_dtype(config.dtype):
+    with torch.device(device), default_dtype(config.dtype), state_backend(None, ssm_dtype):
         model = model_cls(config.hf_config, quant_config)
         if mtp:  # its weights are the target checkpoint's
             model.drafter = _mtp_drafter(model, config, quant_config)

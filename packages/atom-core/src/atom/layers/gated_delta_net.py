@@ -83,11 +83,12 @@ _ssm_dtype = torch.float32
 
 @contextmanager
 def state_backend(
-    factory: StateHostFactory, ssm_dtype: torch.dtype = torch.float32
+    factory: StateHostFactory | None, ssm_dtype: torch.dtype = torch.float32
 ) -> Iterator[None]:
-    """Layers built inside get `factory(layer)` as their `state_host` and keep their
-    recurrent state in `ssm_dtype`, the host's choice (vLLM's `mamba_ssm_cache_dtype`
-    keeps it in the model dtype by default, half the bytes a decode step moves)."""
+    """Layers built inside get `factory(layer)` as their `state_host` (None: the native
+    engine binds their pools itself) and keep their recurrent state in `ssm_dtype`
+    (`mamba_ssm_cache_dtype`, vLLM's flag: the model dtype by default, half the bytes of
+    fp32 that a decode step moves under a bf16 model)."""
     global _state_host_factory, _ssm_dtype
     previous = _state_host_factory, _ssm_dtype
     _state_host_factory, _ssm_dtype = factory, ssm_dtype
