@@ -97,9 +97,10 @@ class PagedModel:
         dtype: torch.dtype = torch.float32,
         block_size: int = 4,
         num_blocks: int = 256,
+        ssm_dtype: torch.dtype = torch.float32,
     ):
         self.config = ModelConfig.from_pretrained(folder, dtype=dtype)
-        self.model = build_model(self.config, "cpu", progress=False)
+        self.model = build_model(self.config, "cpu", progress=False, ssm_dtype=ssm_dtype)
         allocate_kv_cache(self.model, num_blocks, block_size, dtype, "cpu")
         # Hybrid models: one state row per test sequence (row 0 is the engine's scratch).
         self.hybrid = is_hybrid(self.model)
@@ -127,15 +128,17 @@ def check_against_hf(
     atol: float = FP32_ATOL,
     cached_prefix: int = 0,
     atom_folder: Path | None = None,
+    ssm_dtype: torch.dtype = torch.float32,
 ) -> float:
     """Prefill a mixed batch, then decode steps (all batched); returns the max abs diff.
 
     With `cached_prefix`, the first prompt's first tokens are run in an earlier step, so
     its prefill reads them back from the paged cache. `atom_folder`: the checkpoint ATOM
-    loads, when it differs in form from HF's (e.g. quantized).
+    loads, when it differs in form from HF's (e.g. quantized). `ssm_dtype`: what hybrid
+    models store their recurrent state in.
     """
     hf = load_hf(folder, dtype)
-    paged = PagedModel(atom_folder or folder, dtype)
+    paged = PagedModel(atom_folder or folder, dtype, ssm_dtype=ssm_dtype)
     vocab = hf.config.get_text_config().vocab_size
     seqs = make_prompts(vocab, prompt_lengths)
     tables = [paged.pages_for([], len(s) + decode_steps) for s in seqs]

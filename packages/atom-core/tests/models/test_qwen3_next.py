@@ -17,12 +17,14 @@ from atom.engine.model_runner import build_model
 from atom.layers.gated_delta_net import GatedDeltaNet
 from atom.testing import tiny_config
 from tests.models.harness import (
+    FP32_ATOL,
     check_against_hf,
     check_greedy_generation,
     write_with_random_vectors,
 )
 
 TEXT_MODELS = ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
+BF16_STATE_ATOL = 2e-2  # seen: 5.9e-3
 
 
 def hybrid_config(architecture: str, **overrides):
@@ -137,13 +139,19 @@ def test_tensor_parallel_greedy_generation_matches_hf(tmp_path, architecture):
     )
 
 
-def test_bf16_recurrent_state_greedy_matches_hf(tmp_path):
-    """mamba_ssm_cache_dtype="bfloat16" (vLLM's flag): the pools store the state in bf16,
-    the ops still add it up in fp32, and the greedy tokens stay HF's (fp32)."""
-    folder = write_with_random_vectors(hybrid_config("Qwen3NextForCausalLM"), tmp_path)
-    check_greedy_generation(
-        folder, prompt_lengths=[3, 11, 26], max_new_tokens=12, mamba_ssm_cache_dtype="bfloat16"
-    )
+# Not Qwen3.5-MoE: on its tiny checkpoint the rounding flips one token's expert choice in a
+# decode step (a 1.2 logit jump), which says nothing about the state.
+@pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"])
+def test_bf16_recurrent_state_logits_match_hf(tmp_path, architecture):
+    """A bf16 recurrent state (mamba_ssm_cache_dtype="bfloat16", vLLM's flag): the ops add it
+    up in fp32 and store it rounded, so ATOM's logits stay within that rounding of HF's
+    fp32 ones over a continued prefill and batched decodes (in fp32: 1e-4)."""
+    folder = write_with_random_vectors(hybrid_config(architecture), tmp_path)
+    worst = check_against_hf(
+        folder, prompt_lengths=[13, 1, 6, 21], decode_steps=4, cached_prefix=9,
+        ssm_dtype=torch.bfloat16, atol=BF16_STATE_ATOL,
+    )  # fmt: skip
+    assert worst > FP32_ATOL  # the state was stored rounded, not kept in fp32
 
 
 @pytest.mark.parametrize(
