@@ -40,6 +40,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.models.interfaces import SupportsEagle3, supports_lora
 
+from atom.config import SSM_CACHE_DTYPES
 from atom.cuda_graphs import graph_blockers
 from atom.hosts.cache_bytes import bytes_per_token_line, mla_bytes_per_token
 from atom.hosts.plugin import architecture_subclass
@@ -198,14 +199,12 @@ def process_atom_weights(module: nn.Module) -> None:
     )
 
 
-# vLLM's `mamba_ssm_cache_dtype` values and the recurrent state dtype each means for ATOM's
-# Gated DeltaNet ("auto": the model dtype, as vLLM keeps its own Gated DeltaNet's state).
-_SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def ssm_state_dtype(vllm_config: Any) -> torch.dtype:
+    """The recurrent state dtype vLLM's `mamba_ssm_cache_dtype` means for ATOM's Gated
+    DeltaNet ("auto": the model dtype, as vLLM keeps its own Gated DeltaNet's state; its
+    Qwen3.5 config hook has already put the checkpoint's `mamba_ssm_dtype` there)."""
     value = str(vllm_config.cache_config.mamba_ssm_cache_dtype)
-    return vllm_config.model_config.dtype if value == "auto" else _SSM_DTYPES[value]
+    return SSM_CACHE_DTYPES[value] or vllm_config.model_config.dtype
 
 
 class AtomHybridForCausalLM(AtomForCausalLM):
@@ -220,7 +219,7 @@ class AtomHybridForCausalLM(AtomForCausalLM):
         model_config = vllm_config.model_config
         cache_config = vllm_config.cache_config
         # ATOM's ops keep the conv state in the model dtype; the recurrent state may be
-        # stored in any of _SSM_DTYPES (the math is fp32).
+        # stored in any of SSM_CACHE_DTYPES (the math is fp32).
         if str(cache_config.mamba_cache_dtype) != "auto":
             raise UnsupportedVllmFeature(
                 f"ATOM's {cls.atom_architecture} in vLLM does not support "

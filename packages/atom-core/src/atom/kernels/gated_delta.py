@@ -91,9 +91,9 @@ def gated_delta_rule(
     """o [T, Hv, Dv] in v's dtype.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g [T, Hv] fp32 log decay; beta [T, Hv]; state
-    [S, Hv, Dk, Dv] pool (fp32, bf16 or fp16; updated in place); state_slots [B] int32 (each sequence's
-    pool row); query_start_loc [B+1] int32; has_initial_state [B] bool (False: start
-    from zeros). use_qk_l2norm normalises q and k per head first (fp32). Tokens past
+    [S, Hv, Dk, Dv] pool (fp32, bf16 or fp16; updated in place); state_slots [B] int32
+    (each sequence's pool row); query_start_loc [B+1] int32; has_initial_state [B] bool
+    (False: start from zeros). use_qk_l2norm normalises q and k per head first (fp32). Tokens past
     query_start_loc[B] (a host's padding) are left zero.
     """
     return dispatch(GATED_DELTA_RULE_OP, q.device)(
