@@ -1,4 +1,5 @@
-"""Sweeps the paged-attention launch parameters on a GPU and prints the best per shape.
+"""Sweeps the paged-attention launch parameters on a GPU and prints the best per shape
+(and, where vLLM is importable, FA3's rate on the same prefill inputs).
 
 Decode: DECODE_CONFIG of atom.kernels.triton.paged_attention. Prefill: the configs of
 atom.kernels.triton.prefill_attention (SHORT / LONG by query length), timed with the new
@@ -21,7 +22,7 @@ import triton
 
 from atom.kernels.triton import paged_attention as pa
 from atom.kernels.triton import prefill_attention as prefill
-from benchmarks.kernel_timings import paged_batch
+from benchmarks.kernel_timings import fa3_paged_attention, paged_batch
 from benchmarks.precompile import precompile, worker_pool
 
 SCALE = 128**-0.5
@@ -72,22 +73,36 @@ def tune_decode() -> None:
     pa.DECODE_CONFIG.update(default)
 
 
-# label: (new tokens per sequence, cached context, sequences)
+# label: (new tokens per sequence, cached context, sequences, q heads, kv heads, head dim)
 PREFILL_SHAPES = {
-    "prefill 64x512 (SHORT)": (512, 0, 64),
-    "prefill 16x2048 (LONG)": (2048, 0, 16),
-    "prefill 4x8192 (LONG)": (8192, 0, 4),
-    "prefill 8x1024 +1024 ctx": (1024, 1024, 8),
+    "prefill 64x512 (SHORT)": (512, 0, 64, 32, 8, 128),
+    "prefill 16x2048 (LONG)": (2048, 0, 16, 32, 8, 128),
+    "prefill 4x8192 (LONG)": (8192, 0, 4, 32, 8, 128),
+    "prefill 8x1024 +1024 ctx": (1024, 1024, 8, 32, 8, 128),
+    # Qwen3-Next's full-attention layers (head dim 256), where WIDE_CONFIG runs today.
+    "prefill 1x32768 d256": (32768, 0, 1, 16, 2, 256),
+    "prefill 8x4096 d256": (4096, 0, 8, 16, 2, 256),
 }
 PREFILL_SPACE = {"block_m": [64, 128], "block_n": [64, 128], "num_warps": [4, 8],
                  "num_stages": [2, 3, 4], "tma": [True]}  # fmt: skip
+# Head dim 256: a 128 x 256 fp32 accumulator fills a warp group's registers, and a K/V
+# stage of 128 rows takes 128 KB of shared memory.
+WIDE_HEAD_SPACE = {"block_m": [64, 128], "block_n": [32, 64, 128], "num_warps": [4, 8],
+                   "num_stages": [1, 2, 3], "tma": [True]}  # fmt: skip
+
+
+def prefill_space(label: str) -> list[dict]:
+    head_dim = PREFILL_SHAPES[label][5]
+    return list(configs(PREFILL_SPACE if head_dim <= 128 else WIDE_HEAD_SPACE))
 
 
 @cache
 def prefill_inputs(label: str):
-    length, ctx, batch = PREFILL_SHAPES[label]
+    length, ctx, batch, heads, kv_heads, head_dim = PREFILL_SHAPES[label]
     torch.manual_seed(0)
-    q, k, v, md, key, value = paged_batch([length] * batch, [ctx] * batch)
+    q, k, v, md, key, value = paged_batch(
+        [length] * batch, [ctx] * batch, heads, kv_heads, head_dim
+    )
     return q, k, v, md, key, value, torch.empty_like(q)
 
 
@@ -95,21 +110,22 @@ def run_prefill(item) -> torch.Tensor:
     """One launch of config on a shape (also a precompile worker's job); returns the output."""
     label, config = item
     q, k, v, md, key, value, out = prefill_inputs(label)
-    prefill.prefill_attention(q, k, v, md, SCALE, None, None, out, key, value, config=config)
+    scale = PREFILL_SHAPES[label][5] ** -0.5
+    prefill.prefill_attention(q, k, v, md, scale, None, None, out, key, value, config=config)
     return out
 
 
 def tune_prefill(shapes: list[str], pool) -> list[dict]:
-    space = list(configs(PREFILL_SPACE))
-    items = [(label, c) for label in shapes for c in space]
+    items = [(label, c) for label in shapes for c in prefill_space(label)]
+    fa3 = fa3_paged_attention()
     compiled = precompile(run_prefill, items, pool)
     results = []
     for label in shapes:
-        length, ctx, batch = PREFILL_SHAPES[label]
+        length, ctx, batch, heads, _, head_dim = PREFILL_SHAPES[label]
         # Query-key pairs: the causal half of the new block plus the whole prefix.
-        tflop = 4 * batch * (length * length / 2 + length * ctx) * 32 * 128 / 1e9
+        tflop = 4 * batch * (length * length / 2 + length * ctx) * heads * head_dim / 1e9
         q = prefill_inputs(label)[0]
-        default = prefill.pick_config(q, 128, length)
+        default = prefill.pick_config(q, head_dim, length)
         want = run_prefill((label, default)).clone()
         runs = []
         for (shape, config), ok in zip(items, compiled):
@@ -124,6 +140,10 @@ def tune_prefill(shapes: list[str], pool) -> list[dict]:
             runs.append((config, fn, tflop))
         rate = tflop / triton.testing.do_bench(partial(run_prefill, (label, default)))
         print(f"{label:<26} {rate:8.0f} TFLOP/s  default {default}", flush=True)
+        if fa3 is not None:
+            q, k, v, md, _, _, out = prefill_inputs(label)
+            fa3_ms = triton.testing.do_bench(partial(fa3, q, k, v, md, head_dim**-0.5, out))
+            print(f"{label:<26} {tflop / fa3_ms:8.0f} TFLOP/s  FA3 (vLLM's)", flush=True)
         for rate, config in best(label, runs, "TFLOP/s"):
             results.append({"shape": label, "TFLOP/s": rate, "config": config})
     return results
