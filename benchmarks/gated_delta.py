@@ -1,6 +1,7 @@
 """Gated DeltaNet kernels on a CUDA GPU: ATOM's Triton causal conv1d and gated delta rule
 against vLLM 0.32's own, at Qwen3-Next-80B-A3B's linear-attention shapes (16 key and 32
-value heads of dim 128, conv kernel 4, bf16 activations, fp32 recurrent state).
+value heads of dim 128, conv kernel 4, bf16 activations, a bf16 recurrent state as both
+hosts keep it by default; --state-dtype float32 for vLLM's --mamba-ssm-cache-dtype float32).
 
 Each side runs as its Qwen3-Next layer calls it, from the same pre-conv projection output
 mixed_qkv [T, q|k|v], gate inputs a, b [T, Hv] and parameters A_log, dt_bias:
@@ -15,8 +16,8 @@ mixed_qkv [T, q|k|v], gate inputs a, b [T, Hv] and parameters A_log, dt_bias:
   "vllm-fla", its Triton/FLA fallback (--gdn-prefill-backend triton).
 - vLLM decode: causal_conv1d_update, then fused_recurrent_gated_delta_rule_packed_decode
   (gating, l2norm and the rule in one kernel), its default non-speculative path.
-vLLM keeps the recurrent state in the model dtype unless --mamba-ssm-cache-dtype float32;
-both sides use fp32 here. Pool row 0 is vLLM's null block, so sequences use rows 1..B.
+Both sides read and write the state in --state-dtype and do the math in fp32. Pool row 0 is
+vLLM's null block, so sequences use rows 1..B.
 
 Rows: conv, rule (everything after the conv) and core (both), per case. Before timing, the
 outputs and final states of every side are compared with ATOM's (and with ATOM's torch
@@ -30,7 +31,7 @@ state read + write, activations) against the H100's peak. Usage:
     TRITON_INTERPRET=1 PYTHONPATH=packages/atom-core/src:. python benchmarks/gated_delta.py
         --check-cpu     # tiny heads on the CPU: ATOM (and vLLM-FLA if importable) vs reference
     PYTHONPATH=packages/atom-core/src:. python benchmarks/gated_delta.py --sweep [--cases ...]
-        # ATOM's prefill launch configs (benchmarks/gated_delta_sweep.py); with --check-cpu
+        # ATOM's launch configs, prefill or decode cases (benchmarks/gated_delta_sweep.py); with --check-cpu
         # and TRITON_INTERPRET=1, the same plumbing at tiny heads on the CPU
 """
 
@@ -89,7 +90,9 @@ REFERENCE_MAX_LEN = 4096  # the torch reference steps token by token
 SUSPECT_REL_ERROR = 2e-2
 
 
-def make_batch(shape: Shape, lens: list[int], has_state: bool, device: str) -> SimpleNamespace:
+def make_batch(
+    shape: Shape, lens: list[int], has_state: bool, device: str, state_dtype=torch.bfloat16
+) -> SimpleNamespace:
     """Seeded inputs of one layer step. A_log = log U(1, 16) as Qwen3-Next initialises it,
     softplus(a + dt_bias) near U(1e-3, 1e-2): states carry over tens to hundreds of tokens."""
     torch.manual_seed(0)
@@ -105,7 +108,7 @@ def make_batch(shape: Shape, lens: list[int], has_state: bool, device: str) -> S
         A_log=torch.empty(hv, device=device).uniform_(1, 16).log(),
         dt_bias=dt + torch.log(-torch.expm1(-dt)),  # softplus^-1(dt)
         conv_state=torch.randn(seqs + 1, c, shape.conv_kernel - 1, **bf16),
-        ssm_state=torch.randn(seqs + 1, hv, d, d, device=device) * 0.1,
+        ssm_state=(torch.randn(seqs + 1, hv, d, d, device=device) * 0.1).to(state_dtype),
         slots=torch.arange(1, seqs + 1, dtype=torch.int32, device=device),
         qsl=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                          device=device),
@@ -303,17 +306,17 @@ def agreement(batch, sides: dict[str, dict]) -> dict:
     return {"checks": checks, "failed": failed}
 
 
-def part_bytes(shape: Shape, batch: int, part: str) -> int:
+def part_bytes(shape: Shape, batch: int, part: str, state_bytes: int) -> int:
     """Decode bytes moved: conv reads x and writes y (bf16) and its state; the rule reads the
-    conv output, writes o (bf16) and reads and writes the fp32 state."""
+    conv output, writes o (bf16) and reads and writes the state."""
     c, hv, d = shape.conv_dim, shape.v_heads, shape.head_dim
     conv = batch * 2 * c * (2 + 2 * (shape.conv_kernel - 1))
-    rule = batch * (2 * c + 2 * hv * d + 2 * 4 * hv * d * d)
+    rule = batch * (2 * c + 2 * hv * d + 2 * state_bytes * hv * d * d)
     return {"conv": conv, "rule": rule, "core": conv + rule}[part]
 
 
-def measure(name: str, lens: list[int], has_state: bool, flashinfer: bool):
-    batch = make_batch(QWEN3_NEXT, lens, has_state, "cuda")
+def measure(name: str, lens: list[int], has_state: bool, flashinfer: bool, state_dtype):
+    batch = make_batch(QWEN3_NEXT, lens, has_state, "cuda", state_dtype)
     print(f"{name}: {len(lens)} sequence(s), {batch.x.shape[0]} tokens, "
           f"initial state {has_state}", flush=True)  # fmt: skip
     sides = {"atom": atom_side(batch), **vllm_sides(batch, flashinfer)}
@@ -341,7 +344,10 @@ def measure(name: str, lens: list[int], has_state: bool, flashinfer: bool):
             row[f"{side}_us"] = 1e3 * statistics.median(times[side])
             row[f"{side}_ratio"] = median_ratio(times[side], times["atom"])
         if batch.decode:
-            row["atom_GB/s"] = part_bytes(QWEN3_NEXT, len(lens), part) / row["atom_us"] / 1e3
+            state_bytes = batch.ssm_state.element_size()
+            row["atom_GB/s"] = (
+                part_bytes(QWEN3_NEXT, len(lens), part, state_bytes) / row["atom_us"] / 1e3
+            )
             row["peak_bw_fraction"] = row["atom_GB/s"] / H100_PEAK_GBPS
         row["check"] = check["checks"]
         yield row
@@ -377,30 +383,31 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=list(CASES))
     parser.add_argument("--no-flashinfer", action="store_true", help="skip vLLM's FlashInfer rule")
     parser.add_argument("--check-cpu", action="store_true", help="tiny shapes, Triton interpreter")
-    parser.add_argument("--sweep", action="store_true", help="time ATOM's prefill launch configs")
+    parser.add_argument("--sweep", action="store_true", help="time ATOM's launch configs")
+    parser.add_argument("--state-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args()
+    state_dtype = getattr(torch, args.state_dtype)
     if args.check_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--check-cpu needs TRITON_INTERPRET=1 set before Python starts")
     if args.sweep:  # imported here: it imports this module
         from benchmarks.gated_delta_sweep import sweep
 
         if args.check_cpu:
-            cases, shape, device = {"prefill-varlen": CPU_CASES["prefill-varlen"][0]}, TINY, "cpu"
+            cases = {name: CPU_CASES[name][0] for name in ("prefill-varlen", "decode-B3")}
+            shape, device = TINY, "cpu"
         else:
             require_cuda()
             names = args.cases or SWEEP_CASES
-            if any(n.startswith("decode") for n in names):
-                raise SystemExit(f"--sweep tunes the chunked (prefill) kernels: not {names}")
             cases, shape, device = {n: CASES[n][0] for n in names}, QWEN3_NEXT, "cuda"
-        return save(sweep(cases, shape, device), args.json)
+        return save(sweep(cases, shape, device, state_dtype), args.json)
     if args.check_cpu:
         return check_cpu()
     require_cuda()
     print(f"{torch.cuda.get_device_name()}: Qwen3-Next GDN {QWEN3_NEXT}", flush=True)
     rows = []
     for name in args.cases or list(CASES):
-        for row in measure(name, *CASES[name], flashinfer=not args.no_flashinfer):
+        for row in measure(name, *CASES[name], not args.no_flashinfer, state_dtype):
             print_row(row)
             rows.append(row)
             save(rows, args.json)  # after every row: a run cut short keeps what it measured

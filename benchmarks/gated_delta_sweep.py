@@ -1,10 +1,11 @@
 """The launch search of benchmarks/gated_delta.py --sweep: the chunked gated delta rule
-(prefill) under candidate ChunkLaunch configs, at Qwen3-Next's shapes.
+(prefill) under candidate ChunkLaunch configs and the recurrent one (decode cases) under
+DecodeLaunch configs, at Qwen3-Next's shapes.
 
 The candidates are the launch the rule picks for the case by default (the narrow or the
-wide state tile, atom.kernels.triton.gated_delta.chunk_launch) and, one field at a time,
-each other value of
-VARIATIONS (Dv tiles, row blocks, warps and stages of the kernels, the scratch dtypes);
+wide state tile, atom.kernels.triton.gated_delta.chunk_launch; DECODE_LAUNCH) and, one field
+at a time, each other value of VARIATIONS (Dv tiles, row blocks, warps and stages of the
+kernels, the scratch dtypes);
 then the default with every field that beat it on its own, combined. Each candidate's outputs and
 final states are checked once against ATOM's torch reference (against the default's for
 sequences longer than REFERENCE_MAX_LEN, which the reference would take long to step
@@ -24,7 +25,7 @@ import torch
 import atom.kernels.triton.gated_delta as triton_gated_delta
 from atom.kernels.causal_conv1d import causal_conv1d_torch
 from atom.kernels.gated_delta import gated_delta_rule_torch
-from atom.kernels.triton.gated_delta import ChunkLaunch
+from atom.kernels.triton.gated_delta import ChunkLaunch, DecodeLaunch
 from benchmarks.gated_delta import (
     REFERENCE_MAX_LEN,
     SUSPECT_REL_ERROR,
@@ -37,7 +38,9 @@ from benchmarks.timing import bench, interleaved, wall_ms
 # Every value of a field (the default's among them, dropped as a duplicate), so the search
 # tries the others whichever launch is the default.
 VARIATIONS = {
-    "state_block_v": [16, 32, 64],
+    "block_v": [8, 16, 32, 64, 128],  # DecodeLaunch
+    "num_warps": [1, 2, 4, 8],
+    "state_block_v": [16, 32, 64],  # ChunkLaunch
     "state_warps": [4, 8],
     "state_stages": [1, 2, 3, 4],
     "state_rows": [16, 32, 64],
@@ -51,27 +54,34 @@ TIMING_ROUNDS = 3
 PROFILED_CALLS = 5
 
 
+Launch = ChunkLaunch | DecodeLaunch
+
+
 @contextmanager
-def launched_with(launch: ChunkLaunch):
-    """The gated delta rule's chunked kernels launched with `launch` inside the block."""
-    default = triton_gated_delta.CHUNK_LAUNCH
-    triton_gated_delta.CHUNK_LAUNCH = launch
+def launched_with(launch: Launch):
+    """The gated delta rule's chunked (or recurrent) kernel launched with `launch` inside
+    the block."""
+    hook = "CHUNK_LAUNCH" if isinstance(launch, ChunkLaunch) else "DECODE_LAUNCH"
+    default = getattr(triton_gated_delta, hook)
+    setattr(triton_gated_delta, hook, launch)
     try:
         yield
     finally:
-        triton_gated_delta.CHUNK_LAUNCH = default
+        setattr(triton_gated_delta, hook, default)
 
 
-def candidates(default: ChunkLaunch) -> list[ChunkLaunch]:
+def candidates(default: Launch) -> list[Launch]:
+    own = {f.name for f in fields(default)}
     variations = [
         replace(default, **{field: value})
         for field, values in VARIATIONS.items()
+        if field in own
         for value in values
     ]
     return list(dict.fromkeys([default, *variations]))  # a value may be the default's
 
 
-def combined(results: list[dict], default: ChunkLaunch) -> ChunkLaunch | None:
+def combined(results: list[dict], default: Launch) -> Launch | None:
     """The default with every single-field change that was faster than it, or None when
     fewer than two were."""
     default_ms = next(r["ms"] for r in results if r["launch"] == default)
@@ -82,13 +92,13 @@ def combined(results: list[dict], default: ChunkLaunch) -> ChunkLaunch | None:
     return replace(default, **changes) if len(changes) > 1 else None
 
 
-def describe(launch: ChunkLaunch, default: ChunkLaunch) -> str:
+def describe(launch: Launch, default: Launch) -> str:
     changed = [f"{f.name}={getattr(launch, f.name)}" for f in fields(launch)
                if getattr(launch, f.name) != getattr(default, f.name)]  # fmt: skip
     return ", ".join(changed) or "default"
 
 
-def rule_call(batch, mixed, launch: ChunkLaunch):
+def rule_call(batch, mixed, launch: Launch):
     """fn() -> (outputs, the batch's final states), the ATOM rule launched with `launch`
     on its own copy of the state pool, as benchmarks/gated_delta.py times it."""
     rule = atom_side(batch)["rule"]
@@ -102,7 +112,7 @@ def rule_call(batch, mixed, launch: ChunkLaunch):
     return run
 
 
-def check_all(batch, mixed, launches: list[ChunkLaunch], default: ChunkLaunch) -> list:
+def check_all(batch, mixed, launches: list[Launch], default: Launch) -> list:
     """Per launch: {"launch", "error" (the worst relative error of outputs and states),
     "ok"}, or the exception that stopped it."""
     if max(batch.lens) <= REFERENCE_MAX_LEN:
@@ -149,12 +159,17 @@ def kernel_breakdown(run) -> None:
         print(f"    {e.device_time_total / PROFILED_CALLS:9.1f} us  {e.key[:90]}", flush=True)
 
 
-def sweep_case(name: str, lens: list[int], shape, device: str) -> list[dict]:
-    batch = make_batch(shape, lens, False, device)
+def sweep_case(name: str, lens: list[int], shape, device: str, state_dtype) -> list[dict]:
+    decode = len(lens) == sum(lens)
+    batch = make_batch(shape, lens, decode, device, state_dtype)
     mixed = atom_side(batch)["conv"](batch.x, batch.conv_state.clone(), None)[0]
     # the launch the rule picks for this batch when no sweep sets one
-    default = triton_gated_delta.chunk_launch(
-        len(lens), shape.v_heads, shape.head_dim, torch.device(device)
+    default = (
+        triton_gated_delta.DECODE_LAUNCH
+        if decode
+        else triton_gated_delta.chunk_launch(
+            len(lens), shape.v_heads, shape.head_dim, torch.device(device)
+        )
     )
     print(f"{name}: {len(lens)} sequence(s), {sum(lens)} tokens; default {default}", flush=True)
     results = check_all(batch, mixed, candidates(default), default)
@@ -181,11 +196,11 @@ def sweep_case(name: str, lens: list[int], shape, device: str) -> list[dict]:
     return results
 
 
-def sweep(cases: dict[str, list[int]], shape, device: str) -> list[dict]:
+def sweep(cases: dict[str, list[int]], shape, device: str, state_dtype) -> list[dict]:
     """Rows for benchmarks/gated_delta.py --json: every case's candidates, best first."""
     rows = []
     for name, lens in cases.items():
-        for r in sweep_case(name, lens, shape, device):
+        for r in sweep_case(name, lens, shape, device, state_dtype):
             rows.append({"case": name, "ms": r["ms"], "rel_error": r["error"], "ok": r["ok"],
                          "launch": asdict(r["launch"])})  # fmt: skip
     return rows

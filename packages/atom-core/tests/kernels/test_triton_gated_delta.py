@@ -29,7 +29,11 @@ pytest.importorskip("triton")
 DEVICE = triton_test_device()
 
 from atom.kernels.triton import gated_delta as triton_gated_delta  # noqa: E402
-from atom.kernels.triton.gated_delta import ChunkLaunch, gated_delta_rule  # noqa: E402
+from atom.kernels.triton.gated_delta import (  # noqa: E402
+    ChunkLaunch,
+    DecodeLaunch,
+    gated_delta_rule,
+)
 
 CPU_CHUNK = 16
 # fp32: the kernels against the fp64 loop (tf32 is off for fp32 inputs). bf16: the inputs
@@ -197,6 +201,19 @@ def test_decode(dtype):
     lens = [1] * 5
     batch = make_batch(lens, 2, 4, 32, 32, dtype, [True, False, True, True, False], seed=1)
     check(*run_both(batch, lens, 32**-0.5), dtype)
+
+
+@pytest.mark.parametrize(
+    "launch", [DecodeLaunch(block_v=8, num_warps=1), DecodeLaunch(block_v=64, num_warps=2)],
+    ids=["8-wide", "64-wide"],
+)
+def test_decode_launch_configs(launch, monkeypatch):
+    """The recurrent kernel at other Dv tiles and warps (through the hook the sweep uses):
+    Dv = 48 gives the 8-wide tile six programs a head, the 64-wide one a partial tile."""
+    monkeypatch.setattr(triton_gated_delta, "DECODE_LAUNCH", launch)
+    lens = [1] * 4
+    batch = make_batch(lens, 2, 4, 32, 48, torch.float32, [True, False, True, True], seed=7)
+    check(*run_both(batch, lens, 32**-0.5), torch.float32)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])

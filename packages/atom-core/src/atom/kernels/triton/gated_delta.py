@@ -48,9 +48,25 @@ from atom.kernels.triton.gated_delta_prepare import (
 from atom.kernels.triton.tiles import num_sms
 
 DEFAULT_CHUNK = 64
-# Dv tile of the recurrent (decode) kernel: several tiles per head spread a small batch
-# over the SMs.
-DECODE_BLOCK_V = 32
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Launch parameters of the recurrent (decode) kernel; benchmarks/gated_delta.py
+    --sweep --cases decode-B256 times alternatives by replacing DECODE_LAUNCH. Several Dv
+    tiles per head spread a small batch over the SMs. At 256 sequences with a bf16 state
+    this launch moves the state at about 1.5 TB/s, vLLM's packed decode at 3.9
+    (docs/performance.md, session 21)."""
+
+    block_v: int = 32
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.block_v < 1 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"DecodeLaunch: block_v={self.block_v} must be a power of two")
+
+
+DECODE_LAUNCH = DecodeLaunch()
 
 
 @dataclass(frozen=True)
@@ -371,13 +387,14 @@ def gated_delta_rule(
     state_strides = state.stride()
 
     if num_tokens == num_seqs:
-        block_v = min(full_v, DECODE_BLOCK_V)
+        block_v = min(full_v, DECODE_LAUNCH.block_v)
         grid = (num_seqs, num_v_heads, triton.cdiv(dv, block_v))
         _recurrent_kernel[grid](
             q, k, v, g, beta, o, state, state_slots, query_start_loc, has_initial_state,
             *common_strides, v.stride(0), v.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *state_strides,
             group, dk, dv, scale, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
+            num_warps=DECODE_LAUNCH.num_warps,
         )  # fmt: skip
         return o
 
