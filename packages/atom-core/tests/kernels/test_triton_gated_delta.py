@@ -204,7 +204,8 @@ def test_decode(dtype):
 
 
 @pytest.mark.parametrize(
-    "launch", [DecodeLaunch(block_v=8, num_warps=1), DecodeLaunch(block_v=64, num_warps=2)],
+    "launch",
+    [DecodeLaunch(block_v=8, num_warps=1), DecodeLaunch(block_v=64, num_warps=2)],
     ids=["8-wide", "64-wide"],
 )
 def test_decode_launch_configs(launch, monkeypatch):
