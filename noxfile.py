@@ -33,13 +33,14 @@ def install_core(session: nox.Session, *extras: str) -> None:
     session.install("-e", spec)
 
 
-def run_suite(session: nox.Session, tests: Path) -> None:
+def run_suite(session: nox.Session, tests: Path, *args: str, env: dict | None = None) -> None:
     """pytest on one suite. With ATOM_DISCARD_VENVS set (.ci/run sets it), the session's
     virtualenv (2 to 3.5 GB: torch, triton, the host) is removed once the suite has run,
     because a CI machine can have less free disk than the four suites' environments
     together need (a run ended with "No space left on device")."""
     try:
-        session.run("pytest", str(tests), *session.posargs, env={"PYTHONHASHSEED": "0"})
+        env = {"PYTHONHASHSEED": "0", **(env or {})}
+        session.run("pytest", str(tests), *args, *session.posargs, env=env)
     finally:
         if os.environ.get("ATOM_DISCARD_VENVS"):
             shutil.rmtree(session.virtualenv.location, ignore_errors=True)
@@ -62,8 +63,10 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 @nox.parametrize("transformers", TRANSFORMERS_TESTED)
 def tests(session: nox.Session, transformers: str) -> None:
-    """atom-core's CPU test suite, once at each end of its transformers range (about two
-    minutes each).
+    """atom-core's CPU test suite, once at each end of its transformers range.
+
+    Its tests run mostly one Python thread at a time, so two pytest-xdist workers (one
+    torch thread each) keep two cores busy, where one pytest process left one idle.
 
     `nox -s tests` runs both; one alone: `nox -s "tests(transformers='5.24.0')"`. Each host
     plugin's suite has its own session.
@@ -71,8 +74,9 @@ def tests(session: nox.Session, transformers: str) -> None:
     `pip` reads PIP_EXTRA_INDEX_URL (set by CI to PyTorch's CPU index) from the environment.
     """
     session.install(TORCH)  # first, so nothing resolves a CUDA build of it from PyPI
-    session.install(TORCH, f"transformers=={transformers}", *editable(CORE))
-    run_suite(session, CORE / "tests")
+    session.install(TORCH, f"transformers=={transformers}", "pytest-xdist", *editable(CORE))
+    workers = min(2, os.cpu_count() or 1)
+    run_suite(session, CORE / "tests", "-n", str(workers), env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session(python="3.11")

@@ -54,9 +54,8 @@ DEFAULT_CHUNK = 64
 class DecodeLaunch:
     """Launch parameters of the recurrent (decode) kernel; benchmarks/gated_delta.py
     --sweep --cases decode-B256 times alternatives by replacing DECODE_LAUNCH. Several Dv
-    tiles per head spread a small batch over the SMs. At 256 sequences with a bf16 state
-    this launch moves the state at about 1.5 TB/s, vLLM's packed decode at 3.9
-    (docs/performance.md, session 21)."""
+    tiles per head spread a small batch over the SMs. With a bf16 state this launch is no
+    longer bound by the state's bytes (docs/performance.md, "Gated delta decode launch")."""
 
     block_v: int = 32
     num_warps: int = 4
