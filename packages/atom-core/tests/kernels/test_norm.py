@@ -1,12 +1,17 @@
-"""RMSNorm references against HF's LlamaRMSNorm (the same op order, so results are exact)."""
+"""RMSNorm references against HF's norms (the same op order, so results are exact):
+LlamaRMSNorm, and Qwen3-Next's zero-centred and gated norms."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    Qwen3NextRMSNorm,
+    Qwen3NextRMSNormGated,
+)
 
-from atom.kernels import fused_add_rms_norm, rms_norm
+from atom.kernels import fused_add_rms_norm, gated_rms_norm, rms_norm, zero_centred_rms_norm
 
 
 def hf_norm(hidden: int, dtype: torch.dtype) -> LlamaRMSNorm:
@@ -50,3 +55,24 @@ def test_rms_norm_uses_eps():
     zeros = torch.zeros(2, 16)
     # With x = 0 only eps keeps the rsqrt finite.
     assert torch.equal(rms_norm(zeros, torch.ones(16), 1e-6), zeros)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centred_rms_norm_equals_hf(dtype):
+    norm = Qwen3NextRMSNorm(96, eps=1e-6).to(dtype)
+    torch.nn.init.normal_(norm.weight, std=0.1)
+    x, residual = torch.randn(2, 5, 96, dtype=dtype) * 4, torch.randn(2, 5, 96, dtype=dtype)
+    assert torch.equal(zero_centred_rms_norm(x, norm.weight, 1e-6), norm(x))
+    normed, new_residual = zero_centred_rms_norm(x, norm.weight, 1e-6, residual)
+    assert torch.equal(new_residual, x + residual)
+    assert torch.equal(normed, norm(x + residual))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_equals_hf(dtype):
+    norm = Qwen3NextRMSNormGated(64, eps=1e-6).to(dtype)
+    torch.nn.init.normal_(norm.weight)
+    x, gate = torch.randn(7, 3, 64, dtype=dtype), torch.randn(7, 3, 64, dtype=dtype)
+    got = gated_rms_norm(x, gate, norm.weight, 1e-6)
+    assert got.dtype == dtype
+    assert torch.equal(got, norm(x, gate))

@@ -14,7 +14,12 @@ import torch
 from atom.forward_context import AttentionMetadata
 from atom.kernels.activation import silu_and_mul_torch
 from atom.kernels.kv_cache import write_kv_cache_torch
-from atom.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+from atom.kernels.norm import (
+    fused_add_rms_norm_torch,
+    gated_rms_norm_torch,
+    rms_norm_torch,
+    zero_centred_rms_norm_torch,
+)
 from atom.kernels.paged_attention import paged_attention_torch
 from atom.kernels.rotary import apply_rotary_emb_torch, compute_cos_sin_cache
 from atom.testing.triton_device import triton_test_device
@@ -43,6 +48,54 @@ def test_rms_norm(dtype, hidden):
     want = fused_add_rms_norm_torch(x, residual, w, 1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+def head_split(tokens: int, heads: int, dim: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two [tokens, heads, dim] halves of one projection, as Qwen3-Next's q and gate and
+    Gated DeltaNet's z arrive: strided views, read in place."""
+    both = torch.randn(tokens, heads, 2 * dim, device=DEVICE, dtype=dtype)
+    return both.chunk(2, dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["rows", "head-split"])
+def test_zero_centred_rms_norm(dtype, layout):
+    """Qwen3-Next's norm, (1 + w) in fp32: rows with and without a residual, and q heads
+    of a strided view."""
+    x = (
+        head_split(19, 4, 128, dtype)[0]
+        if layout == "head-split"
+        else torch.randn(19, 1000, device=DEVICE, dtype=dtype)
+    )
+    w = torch.randn(x.shape[-1], device=DEVICE, dtype=dtype) * 0.1
+    torch.testing.assert_close(
+        norm.zero_centred_rms_norm_triton(x, w, 1e-6),
+        zero_centred_rms_norm_torch(x, w, 1e-6),
+        **TOL[dtype],
+    )
+    residual = torch.randn(x.shape, device=DEVICE, dtype=dtype)
+    got = norm.zero_centred_rms_norm_triton(x, w, 1e-6, residual)
+    want = zero_centred_rms_norm_torch(x, w, 1e-6, residual)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_layout", ["head-split", "transposed"])
+def test_gated_rms_norm(dtype, gate_layout):
+    """Gated DeltaNet's output norm: x [T, Hv, Dv] contiguous, the gate a strided view
+    (read in place) or one without a unit last stride (copied)."""
+    x = torch.randn(23, 8, 128, device=DEVICE, dtype=dtype)
+    if gate_layout == "head-split":
+        gate = head_split(23, 8, 128, dtype)[1]
+    else:
+        gate = torch.randn(23, 128, 8, device=DEVICE, dtype=dtype).transpose(1, 2)
+    w = torch.randn(128, device=DEVICE, dtype=dtype)
+    torch.testing.assert_close(
+        norm.gated_rms_norm_triton(x, gate, w, 1e-6),
+        gated_rms_norm_torch(x, gate, w, 1e-6),
+        **TOL[dtype],
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -25,7 +25,7 @@ from atom.kernels.mla import (
     write_mla_cache,
 )
 from atom.kernels.moe import fused_moe, grouped_topk, topk_softmax
-from atom.kernels.norm import fused_add_rms_norm, rms_norm
+from atom.kernels.norm import fused_add_rms_norm, gated_rms_norm, rms_norm, zero_centred_rms_norm
 from atom.kernels.paged_attention import AttentionScoring, PagedKVCache, paged_attention
 from atom.kernels.rotary import apply_rotary_emb, compute_cos_sin_cache
 from atom.kernels.sparse_mla import sparse_mla, sparse_mla_attention
@@ -43,6 +43,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
     "fused_qkv_rope_write_kv",
+    "gated_rms_norm",
     "grouped_topk",
     "indexer_topk",
     "mla_attention",
@@ -62,4 +63,5 @@ __all__ = [
     "write_indexer_keys",
     "write_kv_cache",
     "write_mla_cache",
+    "zero_centred_rms_norm",
 ]

@@ -4,11 +4,10 @@ from collections.abc import Sequence
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed import get_tp_group
-from atom.kernels import fused_add_rms_norm, rms_norm
+from atom.kernels import fused_add_rms_norm, gated_rms_norm, rms_norm, zero_centred_rms_norm
 from atom.layers.linear import copy_shard
 from atom.layers.quantization import set_weight_attrs
 
@@ -73,12 +72,7 @@ class ZeroCentredRMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = residual = (x + residual).to(x.dtype)
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, residual)
+        return zero_centred_rms_norm(x, self.weight, self.eps, residual)
 
 
 class GatedRMSNorm(nn.Module):
@@ -91,6 +85,4 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
