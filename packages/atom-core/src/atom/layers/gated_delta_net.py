@@ -15,7 +15,7 @@ manager (vLLM's mamba cache, SGLang's mamba pool) builds the model inside
 hands it its pools in the host's memory (`state_pools()`) and names its KV-cache group
 (`kv_group`: whose state rows it reads, `AttentionMetadata.for_kv_group`).
 Subclasses supply the input projections (their checkpoint layouts differ): `project(x)`
-returns this rank's q, k, v [T, heads * dim], z [T, Hv, Dv], b and a [T, Hv]. Tensor
+returns this rank's conv input [T, q | k | v of all heads], z [T, Hv, Dv], b and a [T, Hv]. Tensor
 parallelism splits the key heads (with their value heads) over the ranks.
 """
 
@@ -205,8 +205,7 @@ class GatedDeltaNet(nn.Module):
             metadata.query_start_loc,
             metadata.has_initial_state,
         )
-        q, k, v, z, b, a = self.project(x)
-        mixed = torch.cat([q, k, v], dim=-1)
+        mixed, z, b, a = self.project(x)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         beta = b.sigmoid()
         if metadata.state_checkpoints is not None:

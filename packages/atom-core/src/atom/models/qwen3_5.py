@@ -50,9 +50,8 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
             setattr(self, name, layer)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q, k, v = self.in_proj_qkv(x).split([self.key_dim, self.key_dim, self.value_dim], -1)
         z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
-        return q, k, v, z, self.in_proj_b(x), self.in_proj_a(x)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
 
 def load_as_shards(linear: MergedColumnParallelLinear, sizes: list[int]) -> None:

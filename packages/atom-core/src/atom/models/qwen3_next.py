@@ -124,10 +124,14 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
             dim=-1,
         )
         b, a = self.in_proj_ba(x).view(num_tokens, heads, 2 * per_key).split(per_key, dim=-1)
+        # The conv reads [q | k | v] of all heads, the checkpoint groups them by key head:
+        # each part is copied once, straight into its place.
+        mixed = qkvz.new_empty(num_tokens, self.conv_dim)
+        for part, start in zip((q, k, v), (0, self.key_dim, 2 * self.key_dim)):
+            width = heads * part.shape[-1]
+            mixed[:, start : start + width].view(num_tokens, heads, -1).copy_(part)
         return (
-            q.reshape(num_tokens, -1),
-            k.reshape(num_tokens, -1),
-            v.reshape(num_tokens, -1),
+            mixed,
             z.reshape(num_tokens, self.num_v_heads, self.head_v_dim),
             b.reshape(num_tokens, self.num_v_heads),
             a.reshape(num_tokens, self.num_v_heads),
@@ -196,7 +200,9 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q).reshape(num_tokens, self.q_size)
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
         out = self.attn(q, k.reshape(num_tokens, self.kv_size), v, positions)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(num_tokens, self.q_size)))
+        # sigmoid reads the gate's head-split view and writes it contiguous: no copy first.
+        gated = out.view(num_tokens, self.num_heads, self.head_dim) * torch.sigmoid(gate)
+        return self.o_proj(gated.view(num_tokens, self.q_size))
 
 
 class SharedExpertMoE(nn.Module):
