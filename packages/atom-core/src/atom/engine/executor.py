@@ -23,6 +23,7 @@ need all of them; each samples its own rows and rank 0 gathers the results.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import socket
@@ -225,6 +226,9 @@ def _unwire(arg, device: torch.device):
 
 
 def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
+    if seconds := os.environ.get("ATOM_WORKER_STACK_DUMP_S"):
+        # A stalled multi-GPU run: what each worker waits on, printed every `seconds`.
+        faulthandler.dump_traceback_later(float(seconds), repeat=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.world_size))
     control = _init_group(config, rank, port)
     shard = _Shard(config, rank, progress=False)
