@@ -15,8 +15,8 @@ manager (vLLM's mamba cache, SGLang's mamba pool) builds the model inside
 hands it its pools in the host's memory (`state_pools()`) and names its KV-cache group
 (`kv_group`: whose state rows it reads, `AttentionMetadata.for_kv_group`).
 Subclasses supply the input projections (their checkpoint layouts differ): `project(x)`
-returns this rank's conv input [T, q | k | v of all heads], z [T, Hv, Dv], b and a [T, Hv]. Tensor
-parallelism splits the key heads (with their value heads) over the ranks.
+returns this rank's conv input [T, q | k | v of all heads], z [T, Hv, Dv], b and a
+[T, Hv]. Tensor parallelism splits the key heads (with their value heads) over the ranks.
 """
 
 from __future__ import annotations
