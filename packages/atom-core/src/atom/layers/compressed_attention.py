@@ -71,7 +71,9 @@ class LightningIndexerV4(nn.Module):
     """CSA's indexer: its compressor's rows, and the queries and per-head weights of a
     step (scores over the entries are the impl's, atom.kernels.compressed_attention)."""
 
-    def __init__(self, shape: CompressedAttentionShape, rotary: TrailingRotaryEmbedding, prefix: str):
+    def __init__(
+        self, shape: CompressedAttentionShape, rotary: TrailingRotaryEmbedding, prefix: str
+    ):
         super().__init__()
         self.num_heads, self.head_dim = shape.index_n_heads, shape.index_head_dim
         self.wq_b = ReplicatedLinear(
@@ -165,5 +167,7 @@ class CompressedAttention(nn.Module):
             None if self.indexer is None else self.indexer(positions, hidden_states, q_latent),
         )
         out = self.rotary(positions, out, inverse=True)
-        grouped = out.reshape(-1, shape.o_groups, shape.num_heads * shape.head_dim // shape.o_groups)
+        grouped = out.reshape(
+            -1, shape.o_groups, shape.num_heads * shape.head_dim // shape.o_groups
+        )
         return self.wo_b(self.wo_a(grouped))

@@ -44,7 +44,9 @@ class HashOrScoreRouter(nn.Module):
                 torch.zeros(vocab_size, top_k, dtype=torch.long), requires_grad=False
             )
         else:
-            self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+            self.bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+            )
 
     def forward(
         self, hidden_states: torch.Tensor, input_ids: torch.Tensor
@@ -63,7 +65,9 @@ class HashOrScoreRouter(nn.Module):
 class ClampedMLP(nn.Module):
     """The shared expert: w1 (gate) and w3 (up) stacked as gate_up_proj, w2 as down_proj."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, quant_config, prefix: str):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, limit: float, quant_config, prefix: str
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, quant_config=quant_config,

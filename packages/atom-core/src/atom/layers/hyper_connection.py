@@ -40,14 +40,18 @@ def sinkhorn(comb: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
 class HyperConnection(nn.Module):
     """One block's mHC: `collapse` gives the block input and the weights `expand` needs."""
 
-    def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    def __init__(
+        self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float
+    ):
         super().__init__()
         self.hc_mult = hc_mult
         self.sinkhorn_iters = sinkhorn_iters
         self.hc_eps = hc_eps
         self.norm_eps = norm_eps
         width = (2 + hc_mult) * hc_mult  # pre, post, comb
-        self.fn = nn.Parameter(torch.empty(width, hc_mult * hidden_size, dtype=torch.float32), requires_grad=False)
+        self.fn = nn.Parameter(
+            torch.empty(width, hc_mult * hidden_size, dtype=torch.float32), requires_grad=False
+        )
         self.base = nn.Parameter(torch.empty(width, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32), requires_grad=False)
 
@@ -61,7 +65,9 @@ class HyperConnection(nn.Module):
         pre_s, post_s, comb_s = self.scale.unbind(0)
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
+        comb = (
+            torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
+        )
         comb = sinkhorn(comb, self.sinkhorn_iters, self.hc_eps)
         block_input = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return block_input, post, comb
@@ -84,7 +90,9 @@ class HyperHead(nn.Module):
         super().__init__()
         self.hc_eps = hc_eps
         self.norm_eps = norm_eps
-        self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden_size, dtype=torch.float32), requires_grad=False)
+        self.hc_fn = nn.Parameter(
+            torch.empty(hc_mult, hc_mult * hidden_size, dtype=torch.float32), requires_grad=False
+        )
         self.hc_base = nn.Parameter(torch.empty(hc_mult, dtype=torch.float32), requires_grad=False)
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
 

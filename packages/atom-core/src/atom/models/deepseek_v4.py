@@ -57,7 +57,10 @@ def _named(config: Any, field: str, value: Any, why: str) -> ConfigError:
 def check_config(config: Any, quant_config=None) -> None:
     """Raises ConfigError, one line naming the field, for a V4 variant ATOM cannot run."""
     n = config.num_hidden_layers
-    for field, known in (("layer_types", (SLIDING, CSA, HCA)), ("mlp_layer_types", MLP_LAYER_TYPES)):
+    for field, known in (
+        ("layer_types", (SLIDING, CSA, HCA)),
+        ("mlp_layer_types", MLP_LAYER_TYPES),
+    ):
         kinds = list(getattr(config, field, None) or [])
         unknown = sorted(set(kinds) - set(known))
         if unknown or len(kinds) != n:
@@ -65,17 +68,34 @@ def check_config(config: Any, quant_config=None) -> None:
     rates = config.compress_rates or {}
     for kind in (CSA, HCA):
         rate = rates.get(kind)
-        if kind in config.layer_types and (not isinstance(rate, int) or rate < 2 or rate & (rate - 1)):
+        if kind in config.layer_types and (
+            not isinstance(rate, int) or rate < 2 or rate & (rate - 1)
+        ):
             raise _named(
                 config, f"compress_rates[{kind!r}]", rate, "ATOM compresses by powers of two >= 2"
             )
     if config.scoring_func not in SCORING_FUNCS:
-        raise _named(config, "scoring_func", config.scoring_func, f"ATOM scores with {', '.join(SCORING_FUNCS)}")
+        raise _named(
+            config,
+            "scoring_func",
+            config.scoring_func,
+            f"ATOM scores with {', '.join(SCORING_FUNCS)}",
+        )
     rope = rope_dim(config)
     if rope < 2 or rope % 2 or rope > config.head_dim:
-        raise _named(config, "partial_rotary_factor", config.partial_rotary_factor, "rope needs an even channel count within head_dim")
+        raise _named(
+            config,
+            "partial_rotary_factor",
+            config.partial_rotary_factor,
+            "rope needs an even channel count within head_dim",
+        )
     if CSA in config.layer_types and config.index_head_dim < rope:
-        raise _named(config, "index_head_dim", config.index_head_dim, f"the indexer's heads hold the {rope} rope channels")
+        raise _named(
+            config,
+            "index_head_dim",
+            config.index_head_dim,
+            f"the indexer's heads hold the {rope} rope channels",
+        )
     if CSA in config.layer_types and config.index_topk < 1:
         raise _named(config, "index_topk", config.index_topk, "must be >= 1")
     if (config.num_attention_heads * config.head_dim) % config.o_groups:
@@ -108,19 +128,31 @@ def attention_shape(config: Any, index: int) -> CompressedAttentionShape:
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, config: Any, index: int, rotary: dict[str, nn.Module], quant_config, prefix: str):
+    def __init__(
+        self, config: Any, index: int, rotary: dict[str, nn.Module], quant_config, prefix: str
+    ):
         super().__init__()
         rope = "main" if config.layer_types[index] == SLIDING else "compress"
-        self.attn = CompressedAttention(attention_shape(config, index), rotary[rope], f"{prefix}.attn")
+        self.attn = CompressedAttention(
+            attention_shape(config, index), rotary[rope], f"{prefix}.attn"
+        )
         hashed = config.mlp_layer_types[index] == "hash_moe"
         self.ffn = HashMoE(config, hashed, quant_config, f"{prefix}.ffn")
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+        hc = (
+            config.hc_mult,
+            config.hidden_size,
+            config.hc_sinkhorn_iters,
+            config.hc_eps,
+            config.rms_norm_eps,
+        )
         self.hc_attn = HyperConnection(*hc)
         self.hc_ffn = HyperConnection(*hc)
 
-    def forward(self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:
         """streams [T, hc_mult, hidden] -> the next layer's streams."""
         block_input, post, comb = self.hc_attn.collapse(streams)
         out = self.attn(positions, self.attn_norm(block_input))
@@ -148,7 +180,9 @@ class DeepseekV4Model(nn.Module):
             DeepseekV4DecoderLayer(config, i, self.rotary, quant_config, f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers)
         )
-        self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
+        self.hc_head = HyperHead(
+            config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -217,7 +251,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             self,
             renamed(),
             stacked=self.stacked_params_mapping,
-            experts=FusedMoE.make_expert_params_mapping("w1", "w2", "w3", self.config.n_routed_experts),
+            experts=FusedMoE.make_expert_params_mapping(
+                "w1", "w2", "w3", self.config.n_routed_experts
+            ),
         )
         if skipped_mtp:
             logger.info(
