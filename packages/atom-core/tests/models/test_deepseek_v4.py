@@ -63,6 +63,14 @@ def test_logits_match_hf(checkpoint):
     check_against_hf(checkpoint, prompt_lengths=[5, LONG, 23], decode_steps=6)
 
 
+def test_yarn_compress_rope_matches_hf(tmp_path):
+    # The releases scale the "compress" rope (CSA / HCA layers, compressors, indexer) by
+    # YaRN with attention_factor 1; the sliding layers' "main" rope stays plain.
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+    folder = write_v4(tmp_path, rope_parameters=dict(yarn, beta_fast=32, beta_slow=1))
+    check_against_hf(folder, prompt_lengths=[LONG], decode_steps=2)
+
+
 def test_cached_prefix_matches_hf(checkpoint):
     # 30 tokens first (7 CSA entries and one HCA entry closed, an open window of each),
     # then the rest of the prompt reads them back from the pages.
