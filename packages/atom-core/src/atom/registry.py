@@ -178,6 +178,17 @@ _ENTRIES = (
         hosts=("atom",),
         hybrid=True,
     ),
+    # Sliding-window, compressed sparse (CSA) and heavily compressed (HCA) attention,
+    # hyper-connections and hash-routed MoE: the native engine only for now, unquantized.
+    ModelEntry(
+        "DeepseekV4ForCausalLM",
+        "deepseek_v4",
+        "DeepseekV4ForCausalLM",
+        "DeepSeek-V4",
+        moe=True,
+        quant=(),
+        hosts=("atom",),
+    ),
     ModelEntry(
         "MiniMaxM2ForCausalLM",
         "minimax_m2",

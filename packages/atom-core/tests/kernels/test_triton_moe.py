@@ -157,17 +157,23 @@ def test_fused_moe(num_tokens, num_experts, top_k, hidden, inter, dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    "activation",
+    [ClampedSwiGLU(1.702, 0.75), ClampedSwiGLU(1.0, 0.75, up_shift=0.0)],
+    ids=["gpt-oss", "deepseek-v4"],
+)
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", TOKENS)
-def test_fused_moe_clamped_swiglu_with_biases(num_tokens, dtype, stacked):
+def test_fused_moe_clamped_swiglu_with_biases(num_tokens, dtype, stacked, activation):
     """GPT-OSS experts: biases on both GEMMs and the clamped SwiGLU (a limit low enough to
-    clamp many values), with gate and up tiles apart and stacked."""
+    clamp many values), with gate and up tiles apart and stacked; DeepSeek-V4's clamped
+    plain SwiGLU (alpha 1, no shift of up) through the same kernel."""
     w13, w2 = moe_weights(16, 64, 48, dtype)
     b13 = torch.randn(16, 96, device=DEVICE).to(dtype)
     b2 = torch.randn(16, 64, device=DEVICE).to(dtype)
     x, weights, ids = routed(num_tokens, 16, 4, 64, dtype)
-    args = (x, w13, w2, weights, ids, ClampedSwiGLU(1.702, 0.75), None, None, None, b13, b2)
+    args = (x, w13, w2, weights, ids, activation, None, None, None, b13, b2)
     config = MoEConfig.same(16, 32, 32, stacked=stacked)
     got, want = fused_moe_triton(*args, config=config), fused_moe_torch(*args)
     torch.testing.assert_close(got, want, **TOL[dtype])

@@ -24,14 +24,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class ClampedSwiGLU:
     """GPT-OSS's expert activation: the gate clamped above at `limit`, the up projection to
-    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). The MoE kernels take it
-    in place of "silu"; calling it is the torch definition on x [..., 2d] (gate | up)."""
+    [-limit, limit], then (up + up_shift) * gate * sigmoid(alpha * gate). The MoE kernels
+    take it in place of "silu"; calling it is the torch definition on x [..., 2d] (gate |
+    up). DeepSeek-V4's experts are the same clamps around plain SwiGLU: alpha 1, up_shift 0
+    (`clamped_silu`)."""
 
     alpha: float = 1.702
     limit: float = 7.0
+    up_shift: float = 1.0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(-self.limit, self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        return (up + self.up_shift) * gate * torch.sigmoid(gate * self.alpha)
+
+
+def clamped_silu(limit: float) -> ClampedSwiGLU:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit): DeepSeek-V4's expert activation."""
+    return ClampedSwiGLU(alpha=1.0, limit=limit, up_shift=0.0)

@@ -61,6 +61,26 @@ def _yarn(rotary_dim: int, base: float, scaling: dict[str, Any]) -> tuple[torch.
     return inv_freq, cos_sin_factor
 
 
+def rope_inv_freq(
+    rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim / 2], factor on cos and sin) of a rope type, for
+    callers that turn positions into angles themselves (no cache of max_position rows)."""
+    scaling = rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return _inv_freq(rotary_dim, base), 1.0
+    if rope_type == "linear":
+        return _inv_freq(rotary_dim, base) / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(_inv_freq(rotary_dim, base), scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn(rotary_dim, base, scaling)
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn"
+    )
+
+
 def compute_cos_sin_cache(
     rotary_dim: int,
     max_position: int,
@@ -74,22 +94,10 @@ def compute_cos_sin_cache(
     (mscale_all_dim squared); it is 1.0 otherwise.
     """
     scaling = rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    cos_sin_factor, attention_scale = 1.0, 1.0
-    if rope_type == "default":
-        inv_freq = _inv_freq(rotary_dim, base)
-    elif rope_type == "linear":
-        inv_freq = _inv_freq(rotary_dim, base) / scaling["factor"]
-    elif rope_type == "llama3":
-        inv_freq = _llama3_inv_freq(_inv_freq(rotary_dim, base), scaling)
-    elif rope_type == "yarn":
-        inv_freq, cos_sin_factor = _yarn(rotary_dim, base, scaling)
-        if scaling.get("mscale_all_dim"):
-            attention_scale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
-    else:
-        raise ValueError(
-            f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn"
-        )
+    inv_freq, cos_sin_factor = rope_inv_freq(rotary_dim, base, scaling)
+    attention_scale = 1.0
+    if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("mscale_all_dim"):
+        attention_scale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
     cache = torch.cat([freqs.cos() * cos_sin_factor, freqs.sin() * cos_sin_factor], dim=-1)
     return cache.to(dtype), attention_scale

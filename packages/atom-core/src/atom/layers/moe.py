@@ -189,7 +189,13 @@ class FusedMoE(nn.Module):
         return weights, ids
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.route(router_logits)
+        return self.apply_experts(hidden_states, *self.route(router_logits))
+
+    def apply_experts(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts for routing the model decided itself (DeepSeek-V4's hash layers pick
+        experts by token id): weights [T, k] and expert ids [T, k]."""
         if self.ep is not None:
             return self._forward_expert_parallel(hidden_states, topk_weights, topk_ids)
         out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)

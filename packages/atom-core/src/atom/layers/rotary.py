@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from atom.kernels import apply_rotary_emb, compute_cos_sin_cache
+from atom.kernels.rotary import rope_inv_freq
 
 
 class RotaryEmbedding(nn.Module):
@@ -61,3 +62,34 @@ def get_rope(
         scaling,
         is_neox_style,
     )
+
+
+class TrailingRotaryEmbedding(nn.Module):
+    """Rotary on the last `rotary_dim` channels of each head, pairs (2i, 2i + 1)
+    (DeepSeek-V4, whose heads are [nope | rope]). Angles come from the positions on the
+    fly: V4 runs to a million positions, and a cos/sin cache of them per rope type would
+    hold hundreds of MiB. `inverse` rotates back by the same angles (-sin), which V4 applies
+    to the attention output: K = V there, so the values carry their keys' rotation."""
+
+    def __init__(self, rotary_dim: int, rope_parameters: dict[str, Any]):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+        inv_freq, self.cos_sin_factor = rope_inv_freq(
+            rotary_dim, rope_parameters["rope_theta"], scaling
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        """x [T, ..., D] rotated at positions [T] (fp32 math, x's dtype out)."""
+        angles = positions.float()[:, None] * self.inv_freq.float()
+        cos = (angles.cos() * self.cos_sin_factor).view(len(positions), *[1] * (x.dim() - 2), -1)
+        sin = (angles.sin() * self.cos_sin_factor).view_as(cos)
+        if inverse:
+            sin = -sin
+        head, tail = x[..., : -self.rotary_dim], x[..., -self.rotary_dim :].float()
+        even, odd = tail[..., 0::2], tail[..., 1::2]
+        rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+        return torch.cat([head, rotated.flatten(-2).to(x.dtype)], dim=-1)

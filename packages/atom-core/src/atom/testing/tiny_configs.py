@@ -224,6 +224,42 @@ _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen3_5MoeConfig",
         dict(text_config=_HYBRID_MOE, vision_config=_QWEN3_5_VISION),
     ),
+    # DeepSeek-V4: one layer of each attention kind (sliding, CSA, HCA), the first MoE
+    # layer hash-routed; CSA compresses 4 tokens and keeps the top 4 entries, HCA compresses
+    # 16; a window of 16, so prompts of 40 and more see all three at work.
+    "DeepseekV4ForCausalLM": (
+        "DeepseekV4Config",
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            head_dim=32,
+            partial_rotary_factor=0.5,
+            q_lora_rank=48,
+            o_groups=2,
+            o_lora_rank=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            layer_types=[
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+            ],
+            mlp_layer_types=["hash_moe", "moe", "moe"],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+            hc_mult=4,
+            sliding_window=16,
+            index_n_heads=8,
+            index_head_dim=32,
+            index_topk=4,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
     # An architecture ATOM does not implement: the hosts' fall-back path.
     "GPT2LMHeadModel": (
         "GPT2Config",

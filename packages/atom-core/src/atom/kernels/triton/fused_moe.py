@@ -90,7 +90,7 @@ def program_block(block_expert_ptr, max_blocks, N, BLOCK_N: tl.constexpr, GROUP_
 @triton.jit
 def store_rows(
     acc, acc_up, c_ptr, stride_cm, rows, row_ok, cols, N, expert_bias_ptr, up_offset,
-    routing_weights_ptr, swiglu_alpha, swiglu_limit,
+    routing_weights_ptr, swiglu_alpha, swiglu_limit, swiglu_up_shift,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
     APPLY_WEIGHT: tl.constexpr,
 ):  # fmt: skip
@@ -106,7 +106,7 @@ def store_rows(
         if CLAMPED_SWIGLU:
             gate = tl.minimum(acc, swiglu_limit)
             up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
-            acc = (up + 1) * gate * tl.sigmoid(swiglu_alpha * gate)
+            acc = (up + swiglu_up_shift) * gate * tl.sigmoid(swiglu_alpha * gate)
         else:
             acc = acc * tl.sigmoid(acc) * acc_up
     if APPLY_WEIGHT:
@@ -119,7 +119,7 @@ def store_rows(
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, routing_weights_ptr,
     sorted_rows_ptr, block_expert_ptr,
-    num_rows, num_experts, N, K, max_blocks, up_offset, swiglu_alpha, swiglu_limit,
+    num_rows, num_experts, N, K, max_blocks, up_offset, swiglu_alpha, swiglu_limit, swiglu_up_shift,
     stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
     stride_bias_e, stride_cm,
     A_ROW_DIV: tl.constexpr, GATING: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
@@ -192,7 +192,7 @@ def _moe_gemm_kernel(
         acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     store_rows(
         acc, acc_up, c_ptr, stride_cm, rows, row_ok, cols, N, bias_ptr + expert * stride_bias_e,
-        up_offset, routing_weights_ptr, swiglu_alpha, swiglu_limit,
+        up_offset, routing_weights_ptr, swiglu_alpha, swiglu_limit, swiglu_up_shift,
         GATED=GATING != 0, HAS_BIAS=HAS_BIAS, CLAMPED_SWIGLU=CLAMPED_SWIGLU,
         APPLY_WEIGHT=APPLY_WEIGHT,
     )  # fmt: skip
@@ -302,6 +302,7 @@ def _launch_gemm(
         out if routing_weights is None else routing_weights, sorted_rows, block_expert,
         out.shape[0], num_experts, n, k, max_blocks, n if gated else 0,
         activation.alpha if clamped else 0.0, activation.limit if clamped else 0.0,
+        activation.up_shift if clamped else 0.0,
         a.stride(0), 0 if a_scale is None else a_scale.stride(0), w.stride(0), w.stride(1),
         *s_strides, 0 if bias is None else bias.stride(0), out.stride(0),
         A_ROW_DIV=a_row_div, GATING=gating, APPLY_WEIGHT=routing_weights is not None,

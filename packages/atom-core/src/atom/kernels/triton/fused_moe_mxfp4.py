@@ -65,7 +65,7 @@ def _mxfp4_tile(block_ptrs, scale_ptrs, mask, GROUPS: tl.constexpr, DTYPE: tl.co
 def _mxfp4_moe_gemm_kernel(
     a_ptr, blocks_ptr, scales_ptr, bias_ptr, c_ptr, routing_weights_ptr,
     sorted_rows_ptr, block_expert_ptr,
-    num_rows, num_experts, N, K, max_blocks, up_offset, swiglu_alpha, swiglu_limit,
+    num_rows, num_experts, N, K, max_blocks, up_offset, swiglu_alpha, swiglu_limit, swiglu_up_shift,
     stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_bias_e, stride_cm,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
@@ -117,7 +117,7 @@ def _mxfp4_moe_gemm_kernel(
         acc_up = acc
     store_rows(
         acc, acc_up, c_ptr, stride_cm, rows, row_ok, cols, N, bias_ptr + expert * stride_bias_e,
-        up_offset, routing_weights_ptr, swiglu_alpha, swiglu_limit,
+        up_offset, routing_weights_ptr, swiglu_alpha, swiglu_limit, swiglu_up_shift,
         GATED=GATED, HAS_BIAS=HAS_BIAS, CLAMPED_SWIGLU=CLAMPED_SWIGLU, APPLY_WEIGHT=APPLY_WEIGHT,
     )  # fmt: skip
 
@@ -164,6 +164,7 @@ def _launch_gemm(
         out if routing_weights is None else routing_weights, sorted_rows, block_expert,
         out.shape[0], num_experts, n, k, max_blocks, n if gated else 0,
         activation.alpha if clamped else 0.0, activation.limit if clamped else 0.0,
+        activation.up_shift if clamped else 0.0,
         a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
         0 if bias is None else bias.stride(0), out.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, APPLY_WEIGHT=routing_weights is not None,

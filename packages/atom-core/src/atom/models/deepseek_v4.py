@@ -1,0 +1,264 @@
+"""DeepSeek-V4 (`DeepseekV4ForCausalLM`): hyper-connected residual streams, three kinds of
+attention layer and hash-routed MoE layers.
+
+- Every layer's residual is `hc_mult` streams (atom.layers.hyper_connection); the attention
+  and the MoE block each read one input collapsed from them and write back into all.
+- `layer_types` gives each layer's attention (atom.layers.compressed_attention):
+  "sliding_attention" (a window of K = V rows), "compressed_sparse_attention" (CSA: plus
+  compressed entries every `compress_rates[...]` tokens with overlap, of which an indexer
+  keeps the top `index_topk`), "heavily_compressed_attention" (HCA: plus every entry of a
+  coarser compressor, no overlap, no indexer).
+- `mlp_layer_types` gives each MoE block's routing (atom.layers.hash_moe): "hash_moe" by
+  token id, "moe" by score.
+
+Weights load under the released checkpoints' names (`layers.N.attn.wq_a`, `ffn.experts.E.w1`,
+`hc_attn_fn`, `embed`, `head`, ...), which is also how transformers saves the model; the
+multi-token-prediction layers (`mtp.*`) are skipped with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from atom.config import ConfigError
+from atom.layers.compressed_attention import CompressedAttention, CompressedAttentionShape
+from atom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from atom.layers.hash_moe import SCORING_FUNCS, HashMoE
+from atom.layers.hyper_connection import HyperConnection, HyperHead
+from atom.layers.moe import FusedMoE
+from atom.layers.norm import RMSNorm
+from atom.layers.rotary import TrailingRotaryEmbedding
+from atom.loader import load_with_mapping
+
+logger = logging.getLogger(__name__)
+
+SLIDING, CSA, HCA = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+
+
+def rope_dim(config: Any) -> int:
+    return int(config.head_dim * config.partial_rotary_factor)
+
+
+def _named(config: Any, field: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"config field {field}={value!r} is not supported: {why}")
+
+
+def check_config(config: Any, quant_config=None) -> None:
+    """Raises ConfigError, one line naming the field, for a V4 variant ATOM cannot run."""
+    n = config.num_hidden_layers
+    for field, known in (
+        ("layer_types", (SLIDING, CSA, HCA)),
+        ("mlp_layer_types", MLP_LAYER_TYPES),
+    ):
+        kinds = list(getattr(config, field, None) or [])
+        unknown = sorted(set(kinds) - set(known))
+        if unknown or len(kinds) != n:
+            raise _named(config, field, kinds, f"ATOM runs {n} entries of {', '.join(known)}")
+    rates = config.compress_rates or {}
+    for kind in (CSA, HCA):
+        rate = rates.get(kind)
+        if kind in config.layer_types and (
+            not isinstance(rate, int) or rate < 2 or rate & (rate - 1)
+        ):
+            raise _named(
+                config, f"compress_rates[{kind!r}]", rate, "ATOM compresses by powers of two >= 2"
+            )
+    if config.scoring_func not in SCORING_FUNCS:
+        raise _named(
+            config,
+            "scoring_func",
+            config.scoring_func,
+            f"ATOM scores with {', '.join(SCORING_FUNCS)}",
+        )
+    rope = rope_dim(config)
+    if rope < 2 or rope % 2 or rope > config.head_dim:
+        raise _named(
+            config,
+            "partial_rotary_factor",
+            config.partial_rotary_factor,
+            "rope needs an even channel count within head_dim",
+        )
+    if CSA in config.layer_types and config.index_head_dim < rope:
+        raise _named(
+            config,
+            "index_head_dim",
+            config.index_head_dim,
+            f"the indexer's heads hold the {rope} rope channels",
+        )
+    if CSA in config.layer_types and config.index_topk < 1:
+        raise _named(config, "index_topk", config.index_topk, "must be >= 1")
+    if (config.num_attention_heads * config.head_dim) % config.o_groups:
+        raise _named(config, "o_groups", config.o_groups, "must divide the heads' channels")
+    if quant_config is not None:
+        raise ConfigError(
+            "config field quantization_config is not supported for DeepSeek-V4 yet "
+            "(ATOM runs its unquantized checkpoints)"
+        )
+
+
+def attention_shape(config: Any, index: int) -> CompressedAttentionShape:
+    kind = config.layer_types[index]
+    return CompressedAttentionShape(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        head_dim=config.head_dim,
+        rope_dim=rope_dim(config),
+        q_lora_rank=config.q_lora_rank,
+        o_groups=config.o_groups,
+        o_lora_rank=config.o_lora_rank,
+        sliding_window=config.sliding_window,
+        norm_eps=config.rms_norm_eps,
+        compress_rate=0 if kind == SLIDING else config.compress_rates[kind],
+        overlap=kind == CSA,
+        index_n_heads=config.index_n_heads if kind == CSA else 0,
+        index_head_dim=config.index_head_dim if kind == CSA else 0,
+        index_topk=config.index_topk if kind == CSA else 0,
+    )
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, index: int, rotary: dict[str, nn.Module], quant_config, prefix: str
+    ):
+        super().__init__()
+        rope = "main" if config.layer_types[index] == SLIDING else "compress"
+        self.attn = CompressedAttention(
+            attention_shape(config, index), rotary[rope], f"{prefix}.attn"
+        )
+        hashed = config.mlp_layer_types[index] == "hash_moe"
+        self.ffn = HashMoE(config, hashed, quant_config, f"{prefix}.ffn")
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hc = (
+            config.hc_mult,
+            config.hidden_size,
+            config.hc_sinkhorn_iters,
+            config.hc_eps,
+            config.rms_norm_eps,
+        )
+        self.hc_attn = HyperConnection(*hc)
+        self.hc_ffn = HyperConnection(*hc)
+
+    def forward(
+        self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """streams [T, hc_mult, hidden] -> the next layer's streams."""
+        block_input, post, comb = self.hc_attn.collapse(streams)
+        out = self.attn(positions, self.attn_norm(block_input))
+        streams = HyperConnection.expand(streams, out, post, comb)
+        block_input, post, comb = self.hc_ffn.collapse(streams)
+        out = self.ffn(self.ffn_norm(block_input), input_ids)
+        return HyperConnection.expand(streams, out, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, config: Any, quant_config=None, prefix: str = "model"):
+        super().__init__()
+        check_config(config, quant_config)
+        self.hc_mult = config.hc_mult
+        self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # One rotary per rope type ("main": sliding-only layers; "compress": the others,
+        # their compressors and indexers), shared by reference; no checkpoint tensors.
+        self.rotary = nn.ModuleDict(
+            {
+                name: TrailingRotaryEmbedding(rope_dim(config), config.rope_parameters[name])
+                for name in ("main", "compress")
+            }
+        )
+        self.layers = nn.ModuleList(
+            DeepseekV4DecoderLayer(config, i, self.rotary, quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.hc_head = HyperHead(
+            config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        embedded = self.embed(input_ids)
+        streams = embedded.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(positions, streams, input_ids)
+        return self.norm(self.hc_head(streams))
+
+
+# Checkpoint name -> ATOM name, after a leading "model." is dropped (transformers saves
+# the released names under "model."); first match wins.
+_RENAMES = (
+    (re.compile(r"^(embed|embed_tokens)\.weight$"), "model.embed.weight"),
+    (re.compile(r"^(head|lm_head)\.weight$"), "lm_head.weight"),
+    (re.compile(r"^hc_head(?:\.hc_|_)(fn|base|scale)$"), r"model.hc_head.hc_\1"),
+    (re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$"), r"model.layers.\1.hc_\2.\3"),
+    (re.compile(r"^(layers\.\d+\.ffn\.shared_experts)\.w2\."), r"model.\1.down_proj."),
+    (re.compile(r"^(layers\.|norm\.)"), r"model.\1"),
+)
+
+
+def atom_name(name: str) -> str:
+    name = name.removeprefix("model.")
+    for pattern, replacement in _RENAMES:
+        if pattern.search(name):
+            return pattern.sub(replacement, name, count=1)
+    return name
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    model_cls = DeepseekV4Model
+    stacked_params_mapping = [
+        (".shared_experts.gate_up_proj", ".shared_experts.w1", 0),
+        (".shared_experts.gate_up_proj", ".shared_experts.w3", 1),
+    ]
+
+    def __init__(self, config: Any, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config, quant_config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skipped_mtp: list[str] = []
+        tied = getattr(self.config, "tie_word_embeddings", False)
+
+        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith("mtp."):
+                    skipped_mtp.append(name)
+                    continue
+                name = atom_name(name)
+                if not (tied and name == "lm_head.weight"):
+                    yield name, tensor
+
+        loaded = load_with_mapping(
+            self,
+            renamed(),
+            stacked=self.stacked_params_mapping,
+            experts=FusedMoE.make_expert_params_mapping(
+                "w1", "w2", "w3", self.config.n_routed_experts
+            ),
+        )
+        if skipped_mtp:
+            logger.info(
+                "%s: skipped the checkpoint's %d multi-token-prediction tensors (mtp.*; not run by ATOM)",
+                type(self).__name__,
+                len(skipped_mtp),
+            )
+        return loaded

@@ -1,0 +1,152 @@
+"""DeepSeek-V4 against HF transformers in fp32.
+
+The tiny config has one layer of each attention kind: sliding (window 16), CSA (an entry
+every 4 tokens with overlap, the indexer keeping the top 4) and HCA (an entry every 16
+tokens); its first MoE layer is hash-routed. The long prompts (70 tokens: 17 CSA entries,
+over 4x the top-k, 4 HCA entries, past the window) make every part count, and
+`test_the_selection_matters` checks that a wrong selection would show.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from atom import LLM, SamplingParams
+from atom.config import ConfigError, ModelConfig
+from atom.engine.model_runner import build_model
+from atom.testing import random_prompts, tiny_config
+from tests.models.harness import (
+    check_against_hf,
+    hf_logits,
+    load_hf,
+    write_checkpoint,
+    write_with_random_vectors,
+)
+
+ARCHITECTURE = "DeepseekV4ForCausalLM"
+TINY = tiny_config(ARCHITECTURE)
+TOPK = TINY.index_topk
+LONG = 70  # > 4 * TOPK CSA entries, > the window, several HCA windows
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def randomize_hash_table(folder) -> None:
+    """transformers starts tid2eid at zero (every token to expert 0); a checkpoint's table
+    sends each token to distinct experts, so draw one."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(4)
+    for name, table in tensors.items():
+        if name.endswith("tid2eid"):
+            experts = TINY.n_routed_experts
+            rows = [torch.randperm(experts, generator=gen)[: table.shape[1]] for _ in table]
+            tensors[name] = torch.stack(rows).to(table.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def write_v4(folder, **overrides):
+    write_with_random_vectors(tiny_config(ARCHITECTURE, **overrides), folder)
+    randomize_hash_table(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_v4(tmp_path_factory.mktemp("deepseek_v4"))
+
+
+def test_logits_match_hf(checkpoint):
+    check_against_hf(checkpoint, prompt_lengths=[5, LONG, 23], decode_steps=6)
+
+
+def test_yarn_compress_rope_matches_hf(tmp_path):
+    # The releases scale the "compress" rope (CSA / HCA layers, compressors, indexer) by
+    # YaRN with attention_factor 1; the sliding layers' "main" rope stays plain.
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+    folder = write_v4(tmp_path, rope_parameters=dict(yarn, beta_fast=32, beta_slow=1))
+    check_against_hf(folder, prompt_lengths=[LONG], decode_steps=2)
+
+
+def test_cached_prefix_matches_hf(checkpoint):
+    # 30 tokens first (7 CSA entries and one HCA entry closed, an open window of each),
+    # then the rest of the prompt reads them back from the pages.
+    check_against_hf(checkpoint, prompt_lengths=[LONG, 9], decode_steps=2, cached_prefix=30)
+
+
+def test_the_selection_matters(checkpoint, tmp_path):
+    """HF with every entry selected gives other logits on a long prompt: the parity tests
+    see the sparse selection."""
+    prompt = random_prompts([LONG], seed=5)[0]
+    sparse = hf_logits(load_hf(checkpoint), prompt)
+    dense = hf_logits(load_hf(write_v4(tmp_path, index_topk=64)), prompt)
+    assert (dense[4 * 4 * TOPK :] - sparse[4 * 4 * TOPK :]).abs().max() > 1e-2
+
+
+def hf_generate(checkpoint, prompts: list[list[int]]) -> list[list[int]]:
+    """HF's own generate (its V4 cache: window, compressor buffers, entries)."""
+    hf = load_hf(checkpoint)
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False
+            )
+            out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def test_engine_chunked_prefill_and_prefix_hit_equal_hf_generate(checkpoint, caplog):
+    shared = random_prompts([LONG - 6], seed=9)[0]
+    prompts = [shared + [7, 8, 9], random_prompts([3], seed=2)[0], shared + [11, 12]]
+    expected = hf_generate(checkpoint, prompts)
+    # 16-token chunks over blocks of 4: each long prompt's prefill runs in 5 steps, its
+    # windows and entries closing across them; the last prompt hits the shared prefix.
+    llm = LLM(
+        model=str(checkpoint), dtype="float32", skip_tokenizer_init=True,
+        block_size=4, max_num_batched_tokens=16,
+    )  # fmt: skip
+    first = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    last = llm.generate(prompts[2:], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + last] == expected
+    assert last[0].num_cached_tokens == (len(shared) // 4) * 4
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_engine_keeps_the_full_layout_and_says_so(checkpoint, caplog):
+    with caplog.at_level("INFO", logger="atom.engine.kv_groups"):
+        llm = LLM(model=str(checkpoint), dtype="float32", skip_tokenizer_init=True, block_size=4)
+    assert [len(g.layers) for g in llm.engine.kv_layout.groups] == [TINY.num_hidden_layers]
+    (line,) = [r.getMessage() for r in caplog.records if "full layout" in r.getMessage()]
+    assert "cache shapes differ" in line
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "compress_rates",
+            {"compressed_sparse_attention": 3, "heavily_compressed_attention": 16},
+            "config field compress_rates['compressed_sparse_attention']=3 is not supported",
+        ),
+        ("scoring_func", "relu", "config field scoring_func='relu' is not supported"),
+        ("index_topk", 0, "config field index_topk=0 is not supported"),
+        (
+            "compress_rates",
+            {"compressed_sparse_attention": 4, "heavily_compressed_attention": 100},
+            "config field compress_rates['heavily_compressed_attention']=100 is not supported",
+        ),
+    ],
+)
+def test_variant_atom_lacks_fails_at_load_naming_the_field(tmp_path, field, value, message):
+    folder = write_checkpoint(TINY, tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    raw[field] = value
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as error:
+        build_model(ModelConfig.from_pretrained(folder), "cpu", progress=False)
+    assert message in str(error.value) and "\n" not in str(error.value)
