@@ -18,11 +18,18 @@ from atom.speculative.config import SpeculativeConfig
 # {"prompt_token_ids": ids} (TokensPrompt).
 Prompt = str | list[int] | dict
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20
-# (max_num_seqs, max_num_batched_tokens) when not given. On a GPU, decode throughput is
-# bound by KV reads and flat beyond a few hundred sequences, while more concurrency than
-# the KV cache holds only buys preemptions (docs/performance.md, "Native engine batch
-# limits"); long prefill chunks keep matmuls large.
-DEFAULT_BATCH_LIMITS = {"cpu": (256, 8192), "cuda": (256, 16384)}
+
+
+def default_batch_limits(device: str) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) when not given: vLLM's defaults for its
+    offline `LLM` on the same device (vllm/engine/arg_utils.py, get_batch_defaults), so
+    that both engines batch a workload alike: 1024 sequences and 16,384 tokens on GPUs of
+    70 GiB or more other than the A100, 256 and 8,192 elsewhere."""
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
+            return 1024, 16384
+    return 256, 8192
 
 
 class LLM:
@@ -67,9 +74,7 @@ class LLM:
         model_config = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len)
         if kv_cache_memory_bytes is None and num_blocks is None and device == "cpu":
             kv_cache_memory_bytes = CPU_DEFAULT_KV_CACHE_BYTES
-        default_seqs, default_tokens = DEFAULT_BATCH_LIMITS[
-            "cuda" if device.startswith("cuda") else "cpu"
-        ]
+        default_seqs, default_tokens = default_batch_limits(device)
         config = EngineConfig(
             model=model_config,
             cache=CacheConfig(

@@ -27,6 +27,9 @@ from atom.speculative.qwen3_next_mtp import Qwen3NextMtpDrafter
 from atom.speculative.state_rollback import StateCheckpoints
 
 logger = logging.getLogger(__name__)
+# Above this many sequences a decode step is large enough that launches cost little, and
+# captures would hold memory: it runs eagerly, as vLLM caps its capture sizes at 512.
+MAX_GRAPH_BATCH = 512
 
 
 @contextlib.contextmanager
@@ -171,6 +174,11 @@ class ModelRunner:
                 "decode runs without CUDA graphs: %s cannot be captured", ", ".join(blockers)
             )
             return
+        if max_batch_size > MAX_GRAPH_BATCH:
+            logger.info(
+                "decode batches above %d sequences run without CUDA graphs", MAX_GRAPH_BATCH
+            )
+            max_batch_size = MAX_GRAPH_BATCH
         max_blocks = -(-max_model_len // self.block_size)
         self.decode_graphs = DecodeGraphs(
             self.model, max_batch_size, max_blocks, self.block_size, self.device,
