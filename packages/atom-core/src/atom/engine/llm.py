@@ -25,7 +25,8 @@ def default_batch_limits(device: str) -> tuple[int, int]:
     offline `LLM` on the same device (vllm/engine/arg_utils.py, get_batch_defaults), so
     that both engines batch a workload alike: 1024 sequences and 16,384 tokens on GPUs of
     70 GiB or more other than the A100, 256 and 8,192 elsewhere."""
-    if device.startswith("cuda"):
+    # Without a visible GPU the engine's own checks name what is missing.
+    if device.startswith("cuda") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device))
         if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
             return 1024, 16384
