@@ -19,22 +19,9 @@ from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, 
 from atom.engine.state_cache import allocate_state_cache, is_hybrid
 from atom.testing import write_checkpoint  # noqa: F401  (the suites import it from here)
 from atom.testing.hf_references import hf_causal_lm_class
+from atom.testing.trained_look import randomize_vectors
 
 FP32_ATOL = 1e-4
-
-
-def randomize_vectors(folder: Path) -> None:
-    """HF starts biases and the routing correction bias at zero and norms at one; moving
-    every 1-d tensor (and stacked expert biases) makes the test see how each is loaded and
-    applied."""
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    gen = torch.Generator().manual_seed(3)
-    for name, tensor in tensors.items():
-        if tensor.dim() == 1 or name.endswith("_bias"):
-            noise = torch.randn(tensor.shape, generator=gen) * 0.2
-            tensors[name] = (tensor.float() + noise).to(tensor.dtype)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def check_mtp_layer_skipped(folder: Path, config, caplog) -> None:
