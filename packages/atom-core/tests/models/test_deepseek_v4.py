@@ -63,6 +63,14 @@ def test_cached_prefix_matches_hf(checkpoint):
     check_against_hf(checkpoint, prompt_lengths=[LONG, 9], decode_steps=2, cached_prefix=30)
 
 
+def test_cached_prefix_in_packed_rows_matches_hf(checkpoint):
+    # The caches as vLLM holds them: one row per token packing a page of every tensor, the
+    # pages not adjacent; windows close and entries land across steps there too.
+    check_against_hf(
+        checkpoint, prompt_lengths=[LONG, 9], decode_steps=2, cached_prefix=30, packed_rows=True
+    )
+
+
 def test_the_selection_matters(checkpoint, tmp_path):
     """HF with every entry selected gives other logits on a long prompt: the parity tests
     see the sparse selection."""
