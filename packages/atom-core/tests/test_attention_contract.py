@@ -16,6 +16,7 @@ from atom.kernels import paged_attention
 from atom.layers.attention import Attention
 from atom.layers.attention_impl import AttentionImpl, MLAImpl, PagedCacheOwner, SparseMLAImpl
 from atom.layers.attention_spec import AttentionSpec
+from atom.layers.compressed_attention_impl import CompressedAttentionImpl
 from atom.layers.mla_impl import NativeMLAImpl
 from atom.layers.paged_attention_impl import NativeAttentionImpl, write_kv_and_attend
 from atom.testing.contract import contract_problems
@@ -33,6 +34,7 @@ SOURCES = [
     [
         (NativeAttentionImpl, (AttentionImpl, PagedCacheOwner)),
         (NativeMLAImpl, (MLAImpl, SparseMLAImpl, PagedCacheOwner)),
+        (CompressedAttentionImpl, (PagedCacheOwner,)),
     ],
 )
 def test_native_impls_satisfy_the_protocols(cls, protocols):

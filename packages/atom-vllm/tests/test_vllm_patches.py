@@ -152,6 +152,7 @@ VLLM_NAMES = [
     "vllm.config:ParallelConfig.pipeline_parallel_size",
     "vllm.config:ParallelConfig.enable_expert_parallel",
     "vllm.config:CacheConfig.cache_dtype",
+    "vllm.config:CacheConfig.block_size",
     "vllm.config:CacheConfig.enable_prefix_caching",
     "vllm.config:CacheConfig.mamba_cache_mode",
     "vllm.config:CacheConfig.mamba_cache_dtype",

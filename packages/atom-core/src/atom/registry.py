@@ -179,7 +179,7 @@ _ENTRIES = (
         hybrid=True,
     ),
     # Sliding-window, compressed sparse (CSA) and heavily compressed (HCA) attention,
-    # hyper-connections and hash-routed MoE: the native engine only for now, unquantized.
+    # hyper-connections and hash-routed MoE: the native engine and vLLM, unquantized.
     ModelEntry(
         "DeepseekV4ForCausalLM",
         "deepseek_v4",
@@ -187,7 +187,7 @@ _ENTRIES = (
         "DeepSeek-V4",
         moe=True,
         quant=(),
-        hosts=("atom",),
+        hosts=("atom", "vllm"),  # SGLang: not yet
     ),
     ModelEntry(
         "MiniMaxM2ForCausalLM",

@@ -15,26 +15,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from atom.config import ModelConfig
+from atom.engine.kv_groups import attention_impls
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
 from atom.engine.state_cache import allocate_state_cache, is_hybrid
+from atom.hosts.packed_pages import packed_row_width, unpack_pages
 from atom.testing import write_checkpoint  # noqa: F401  (the suites import it from here)
 from atom.testing.hf_references import hf_causal_lm_class
+from atom.testing.trained_look import randomize_vectors
 
 FP32_ATOL = 1e-4
-
-
-def randomize_vectors(folder: Path) -> None:
-    """HF starts biases and the routing correction bias at zero and norms at one; moving
-    every 1-d tensor (and stacked expert biases) makes the test see how each is loaded and
-    applied."""
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    gen = torch.Generator().manual_seed(3)
-    for name, tensor in tensors.items():
-        if tensor.dim() == 1 or name.endswith("_bias"):
-            noise = torch.randn(tensor.shape, generator=gen) * 0.2
-            tensors[name] = (tensor.float() + noise).to(tensor.dtype)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def check_mtp_layer_skipped(folder: Path, config, caplog) -> None:
@@ -98,10 +87,13 @@ class PagedModel:
         block_size: int = 4,
         num_blocks: int = 256,
         ssm_dtype: torch.dtype = torch.float32,
+        packed_rows: bool = False,
     ):
         self.config = ModelConfig.from_pretrained(folder, dtype=dtype)
         self.model = build_model(self.config, "cpu", progress=False, ssm_dtype=ssm_dtype)
         allocate_kv_cache(self.model, num_blocks, block_size, dtype, "cpu")
+        if packed_rows:
+            pack_kv_caches(self.model, num_blocks, block_size, dtype)
         # Hybrid models: one state row per test sequence (row 0 is the engine's scratch).
         self.hybrid = is_hybrid(self.model)
         if self.hybrid:
@@ -120,6 +112,16 @@ class PagedModel:
         return table
 
 
+def pack_kv_caches(model, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    """Rebinds every attention impl to its tensors packed into one row per token, as vLLM
+    holds them (atom.hosts.packed_pages), in a buffer whose pages are not adjacent (a
+    second layer's page between each two, as in a block-outermost host layout)."""
+    for impl in attention_impls(model):
+        width = packed_row_width(impl, block_size)
+        pages = torch.zeros(num_blocks, 2, block_size, width, dtype=dtype)[:, 1]
+        impl.bind_kv_cache(unpack_pages(pages, impl))
+
+
 def check_against_hf(
     folder: Path,
     prompt_lengths: list[int],
@@ -129,16 +131,18 @@ def check_against_hf(
     cached_prefix: int = 0,
     atom_folder: Path | None = None,
     ssm_dtype: torch.dtype = torch.float32,
+    packed_rows: bool = False,
 ) -> float:
     """Prefill a mixed batch, then decode steps (all batched); returns the max abs diff.
 
     With `cached_prefix`, the first prompt's first tokens are run in an earlier step, so
     its prefill reads them back from the paged cache. `atom_folder`: the checkpoint ATOM
     loads, when it differs in form from HF's (e.g. quantized). `ssm_dtype`: what hybrid
-    models store their recurrent state in.
+    models store their recurrent state in. `packed_rows`: the caches as a host packs them
+    into one row per token (`pack_kv_caches`).
     """
     hf = load_hf(folder, dtype)
-    paged = PagedModel(atom_folder or folder, dtype, ssm_dtype=ssm_dtype)
+    paged = PagedModel(atom_folder or folder, dtype, ssm_dtype=ssm_dtype, packed_rows=packed_rows)
     vocab = hf.config.get_text_config().vocab_size
     seqs = make_prompts(vocab, prompt_lengths)
     tables = [paged.pages_for([], len(s) + decode_steps) for s in seqs]

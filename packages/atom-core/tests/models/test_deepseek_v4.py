@@ -13,12 +13,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from atom import LLM, SamplingParams
 from atom.config import ConfigError, ModelConfig
 from atom.engine.model_runner import build_model
 from atom.testing import random_prompts, tiny_config
+from atom.testing.trained_look import draw_hash_tables
 from tests.models.harness import (
     check_against_hf,
     hf_logits,
@@ -34,23 +34,9 @@ LONG = 70  # > 4 * TOPK CSA entries, > the window, several HCA windows
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def randomize_hash_table(folder) -> None:
-    """transformers starts tid2eid at zero (every token to expert 0); a checkpoint's table
-    sends each token to distinct experts, so draw one."""
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    gen = torch.Generator().manual_seed(4)
-    for name, table in tensors.items():
-        if name.endswith("tid2eid"):
-            experts = TINY.n_routed_experts
-            rows = [torch.randperm(experts, generator=gen)[: table.shape[1]] for _ in table]
-            tensors[name] = torch.stack(rows).to(table.dtype)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 def write_v4(folder, **overrides):
     write_with_random_vectors(tiny_config(ARCHITECTURE, **overrides), folder)
-    randomize_hash_table(folder)
+    draw_hash_tables(folder, TINY.n_routed_experts)
     return folder
 
 
@@ -75,6 +61,14 @@ def test_cached_prefix_matches_hf(checkpoint):
     # 30 tokens first (7 CSA entries and one HCA entry closed, an open window of each),
     # then the rest of the prompt reads them back from the pages.
     check_against_hf(checkpoint, prompt_lengths=[LONG, 9], decode_steps=2, cached_prefix=30)
+
+
+def test_cached_prefix_in_packed_rows_matches_hf(checkpoint):
+    # The caches as vLLM holds them: one row per token packing a page of every tensor, the
+    # pages not adjacent; windows close and entries land across steps there too.
+    check_against_hf(
+        checkpoint, prompt_lengths=[LONG, 9], decode_steps=2, cached_prefix=30, packed_rows=True
+    )
 
 
 def test_the_selection_matters(checkpoint, tmp_path):

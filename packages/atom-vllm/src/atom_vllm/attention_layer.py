@@ -7,8 +7,9 @@ ordinary attention layer named after ATOM's layer (`model.layers.N.self_attn.att
 it sizes, allocates and binds its KV cache, builds the step metadata and calls the
 backend's impl.
 
-MLA layers (spec.kind == "MLA") get `VllmMLAAttention` instead. vLLM's generic
-`MLAAttention` layer cannot host a foreign MLA impl: it splits a vLLM
+DeepSeek-V4's layers (spec.kind == "compressed") get
+`atom_vllm.compressed_attention_layer.VllmCompressedAttention`, MLA layers (spec.kind ==
+"MLA") `VllmMLAAttention`. vLLM's generic `MLAAttention` layer cannot host a foreign MLA impl: it splits a vLLM
 `ColumnParallelLinear` kv_b_proj into W_UK/W_UV itself, requires a vLLM MLA prefill
 backend and calls the impl's `forward_mha` / `forward_mqa` with its own metadata types;
 and vLLM's CPU platform has no MLA backend ("MLA is not supported on CPU").
@@ -57,6 +58,7 @@ from atom_vllm.backend import (
     AtomMLABackend,
     cache_dtype_problem,
 )
+from atom_vllm.compressed_attention_layer import VllmCompressedAttention
 from atom_vllm.patches import full_attention_in_a_windowed_model, register_layer
 
 
@@ -228,6 +230,8 @@ def vllm_attention_factory(vllm_config: Any) -> ImplFactory:
     def factory(spec: AttentionSpec) -> nn.Module:
         if spec.kind == "MLA":
             return VllmMLAAttention(spec, vllm_config)
+        if spec.kind == "compressed":  # DeepSeek-V4
+            return VllmCompressedAttention(spec, vllm_config)
         return VllmAttention(spec, cache_config)
 
     return factory

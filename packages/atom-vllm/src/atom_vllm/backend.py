@@ -22,6 +22,8 @@ The backend is registered under the static `AttentionBackendEnum.CUSTOM` member,
 
 `AtomMLABackend` declares ATOM's MLA path: the same builder and schema; its layer
 (`atom_vllm.attention_layer.VllmMLAAttention`) runs ATOM's MLA impl itself.
+`AtomCompressedBackend` does the same for DeepSeek-V4's layers
+(`atom_vllm.compressed_attention_layer.VllmCompressedAttention`).
 
 `AtomStateBackend` serves the state caches of hybrid models' Gated DeltaNet layers
 (`atom_vllm.state_layer.VllmStateLayer`): its builder reads a mamba KV-cache group's
@@ -291,6 +293,23 @@ class AtomMLABackend(AtomBackendCapabilities):
     @classmethod
     def is_mla(cls) -> bool:
         return True
+
+
+class AtomCompressedBackend(AtomBackendCapabilities):
+    """Capabilities of ATOM's DeepSeek-V4 attention path: the MHA builder and schema; the
+    layer (`atom_vllm.compressed_attention_layer.VllmCompressedAttention`) runs ATOM's
+    impl itself."""
+
+    @staticmethod
+    def get_impl_cls():
+        # vLLM's AttentionImpl interface is not used: the layer runs ATOM's impl.
+        raise NotImplementedError(
+            "ATOM's DeepSeek-V4 layer runs atom.layers.compressed_attention_impl"
+        )
+
+    @staticmethod
+    def get_builder_cls() -> type[AtomAttentionMetadataBuilder]:
+        return AtomAttentionMetadataBuilder
 
 
 class AtomStateMetadataBuilder(AtomAttentionMetadataBuilder):

@@ -3,7 +3,8 @@
 ATOM model classes take `(hf_config, quant_config, prefix)`. vLLM already parsed the
 checkpoint's `config.json` into a transformers config, so that object (a multimodal
 checkpoint's text config, as vLLM's `hf_text_config` gives it) is handed over as is
-(ATOM only reads it); the dtype comes from vLLM's model config and the
+(ATOM only reads it), except where vLLM's own config class for the model type leaves out
+what ATOM reads (DeepSeek-V4: `transformers_config`); the dtype comes from vLLM's model config and the
 quantization config is rebuilt by ATOM from the checkpoint's `quantization_config`.
 Features ATOM's wrapper does not implement fail here, with the way out.
 """
@@ -36,6 +37,11 @@ _ATOM_QUANT_METHODS = {
 }
 # vLLM renames these methods inside the hf_config it hands over: the checkpoint's names.
 _CHECKPOINT_METHOD = {"gpt_oss_mxfp4": "mxfp4"}
+
+
+# Model types vLLM parses with a config class of its own that ATOM's model cannot read
+# (`transformers_config`).
+_TRANSFORMERS_CONFIG_MODEL_TYPES = ("deepseek_v4",)
 
 
 class UnsupportedVllmFeature(NotImplementedError):
@@ -104,13 +110,38 @@ def bridge(vllm_config: Any, architecture: str) -> AtomRunConfig:
     return AtomRunConfig(
         entry=entry,
         # ATOM runs text models: a multimodal checkpoint's (Kimi-K2.5) is its text config.
-        hf_config=model_config.hf_text_config,
+        hf_config=transformers_config(model_config.hf_text_config),
         dtype=model_config.dtype,
         quant_config=quant_config,
         tensor_parallel_size=parallel.tensor_parallel_size,
         block_size=vllm_config.cache_config.block_size,
         model_impl=model_impl_of(vllm_config),
     )
+
+
+def transformers_config(hf_config: Any) -> Any:
+    """`hf_config`, or transformers' own config class rebuilt from it where vLLM parsed
+    the checkpoint with a class of its own that leaves out what ATOM's model reads.
+
+    vLLM 0.32 parses DeepSeek-V4 checkpoints with `vllm.transformers_utils.configs.
+    DeepseekV4Config`, which keeps the config.json fields as they are (the release's
+    names: `compress_ratios`, `num_hash_layers`, `rope_theta` / `compress_rope_theta`);
+    transformers' `DeepseekV4Config` turns them into the `layer_types`, `mlp_layer_types`,
+    `compress_rates` and per-type `rope_parameters` ATOM's model reads (and HF's model,
+    the reference, reads). vLLM has registered its class with transformers' AutoConfig
+    for the model type, so transformers' class is taken from its own name table
+    (patches.py, read 8).
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _TRANSFORMERS_CONFIG_MODEL_TYPES:
+        return hf_config
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    own = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
+    if isinstance(hf_config, own):
+        return hf_config
+    return own(**hf_config.to_dict())
 
 
 def _with_checkpoint_method(hf_config: Any) -> Any:

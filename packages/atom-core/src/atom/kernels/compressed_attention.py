@@ -36,6 +36,13 @@ def token_slots(table_row: torch.Tensor, positions: torch.Tensor, block_size: in
     return table_row[positions // block_size].long() * block_size + positions % block_size
 
 
+def rows_at(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows of `cache` [num_blocks, per_page, width] at flat `slots` (page * per_page +
+    row), read by (page, row): the cache may be a view whose pages are not adjacent."""
+    per_page = cache.shape[1]
+    return cache[slots // per_page, slots % per_page]
+
+
 def select_entries(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int
 ) -> torch.Tensor:

@@ -21,13 +21,16 @@ from torch import nn
 
 from atom.layers.attention_impl import AttentionImpl, MLAImpl
 from atom.layers.attention_spec import AttentionSpec, ImplFactory, QKRope
+from atom.layers.compressed_attention_impl import CompressedAttentionImpl
 from atom.layers.mla_impl import NativeMLAImpl
 from atom.layers.paged_attention_impl import NativeAttentionImpl
 
 
-def _native_impl(spec: AttentionSpec) -> AttentionImpl | MLAImpl:
+def _native_impl(spec: AttentionSpec) -> AttentionImpl | MLAImpl | CompressedAttentionImpl:
     if spec.kind == "MLA":
         return NativeMLAImpl(spec)
+    if spec.kind == "compressed":  # DeepSeek-V4 (a CompressedAttentionSpec)
+        return CompressedAttentionImpl(spec)
     return NativeAttentionImpl(spec)
 
 
@@ -47,7 +50,8 @@ def attention_backend(factory: ImplFactory) -> Iterator[None]:
 
 
 def create_attention_impl(spec: AttentionSpec) -> nn.Module:
-    """The impl the current host's factory builds for `spec` (MHA and MLA layers alike)."""
+    """The impl the current host's factory builds for `spec` (MHA, MLA and DeepSeek-V4's
+    compressed layers alike)."""
     return _impl_factory(spec)
 
 

@@ -83,7 +83,7 @@ class AttentionSpec:
     scale: float
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
-    kind: str = "MHA"  # "MHA" or "MLA"
+    kind: str = "MHA"  # "MHA", "MLA", or "compressed" (CompressedAttentionSpec, DeepSeek-V4)
     # MLA only: latent width, rope width, and the model's kv_b_proj for absorption.
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0

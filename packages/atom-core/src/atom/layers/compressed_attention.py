@@ -14,7 +14,8 @@ CSA layers add a KV compressor with overlap (rate 4 in the releases) and a light
 indexer (its own compressor at index_head_dim, queries from the q-LoRA latent) that
 keeps each query's top `index_topk` entries; HCA layers a compressor without overlap
 (rate 128) whose every closed entry is attended. The impl
-(`atom.layers.compressed_attention_impl`) keeps the pages and attends.
+(`atom.layers.compressed_attention_impl`, or the host's around it) keeps the pages and
+attends.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom.layers.attention_spec import AttentionSpec
-from atom.layers.compressed_attention_impl import CompressedAttentionImpl, IndexerInputs
+from atom.layers.attention import create_attention_impl
+from atom.layers.compressed_attention_impl import CompressedAttentionSpec, IndexerInputs
 from atom.layers.hyper_connection import unweighted_rms_norm
 from atom.layers.kv_compressor import KVCompressor
 from atom.layers.linear import ReplicatedLinear
@@ -135,7 +136,7 @@ class CompressedAttention(nn.Module):
             )  # fmt: skip
         if shape.index_n_heads:
             self.indexer = LightningIndexerV4(shape, rotary, f"{prefix}.indexer")
-        spec = AttentionSpec(
+        spec = CompressedAttentionSpec(
             layer_name=f"{prefix}.impl",
             num_heads=h,
             num_kv_heads=1,
@@ -145,14 +146,14 @@ class CompressedAttention(nn.Module):
             # The pages it reads: a compressing layer's entries reach back to the start.
             sliding_window=None if shape.compress_rate else shape.sliding_window,
             sinks=self.attn_sink,
+            index_topk=shape.index_topk,
+            window=shape.sliding_window,
+            compressor=self.compressor,
+            indexer_compressor=None if self.indexer is None else self.indexer.compressor,
         )
-        self.impl = CompressedAttentionImpl(
-            spec,
-            shape.sliding_window,
-            self.compressor,
-            None if self.indexer is None else self.indexer.compressor,
-            shape.index_topk,
-        )
+        # The host's impl of it (native: CompressedAttentionImpl; vLLM: a layer of its
+        # own around that impl, which owns the pages).
+        self.impl = create_attention_impl(spec)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = self.shape

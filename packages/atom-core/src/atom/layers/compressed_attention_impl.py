@@ -20,7 +20,7 @@ sink.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from atom.forward_context import get_forward_context
 from atom.kernels.compressed_attention import (
     entries_per_page,
     entry_slots,
+    rows_at,
     select_entries,
     token_slots,
 )
@@ -42,6 +43,21 @@ from atom.kernels.paged_attention import (
 )
 from atom.layers.attention_spec import AttentionSpec
 from atom.layers.kv_compressor import KVCompressor
+
+
+@dataclass(frozen=True)
+class CompressedAttentionSpec(AttentionSpec):
+    """A V4 layer's spec (kind "compressed"): what a host's factory needs to build its impl
+    (`atom.layers.attention.create_attention_impl`). `sliding_window` is the pages the
+    layer reads (its window for a sliding-only layer, all of them, None, for a compressing
+    one, whose entries reach back to the start); `window` is what its queries attend to of
+    the K = V rows. The compressors are the layer's modules, by reference (their weights
+    load under the layer's names)."""
+
+    kind: str = "compressed"
+    window: int = 0
+    compressor: KVCompressor | None = field(default=None, compare=False)
+    indexer_compressor: KVCompressor | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -58,28 +74,21 @@ class CompressedAttentionImpl(nn.Module):
     """forward: q [T, H, D] and kv [T, D] rotated, each token's compressor row (or None),
     the indexer's inputs (CSA) -> [T, H, D], before the output's inverse rotation.
 
-    spec.sliding_window is the pages the layer reads: its window for a sliding-only
-    layer, all of them (None) for a compressing one, whose entries reach back to the
-    start; `window` is what its queries attend to of the K = V rows.
+    The cache tensors may be views with any page stride (a host that packs them into one
+    row per token, atom.hosts.packed_pages): rows are addressed by (page, row in page),
+    never through a flattened copy.
     """
 
     cuda_graph_safe = False  # loops over sequences on the host
 
-    def __init__(
-        self,
-        spec: AttentionSpec,
-        window: int,
-        compressor: KVCompressor | None = None,
-        indexer_compressor: KVCompressor | None = None,
-        index_topk: int = 0,
-    ):
+    def __init__(self, spec: CompressedAttentionSpec):
         super().__init__()
         self.spec = spec
-        self.window = window
+        self.window = spec.window
         # The layer's modules, by reference (their weights load under the layer's names).
-        self.__dict__["compressor"] = compressor
-        self.__dict__["indexer_compressor"] = indexer_compressor
-        self.index_topk = index_topk
+        self.__dict__["compressor"] = spec.compressor
+        self.__dict__["indexer_compressor"] = spec.indexer_compressor
+        self.index_topk = spec.index_topk
         self.caches: list[torch.Tensor] = []
         self.kv_group = 0
 
@@ -196,7 +205,7 @@ class CompressedAttentionImpl(nn.Module):
 def read_entries(
     cache: torch.Tensor, table: torch.Tensor, entries: torch.Tensor, rate: int, block_size: int
 ) -> torch.Tensor:
-    return cache.flatten(0, 1)[entry_slots(table, entries, rate, block_size)]
+    return rows_at(cache, entry_slots(table, entries, rate, block_size))
 
 
 def close_windows(
@@ -216,8 +225,8 @@ def close_windows(
     entries = torch.arange(first, last, device=row_cache.device)
     start = entries * rate - (compressor.span - rate)  # with overlap, the window before
     positions = (start[:, None] + torch.arange(compressor.span, device=start.device)).clamp(min=0)
-    rows = row_cache.flatten(0, 1)[token_slots(table, positions, block_size)]
+    rows = rows_at(row_cache, token_slots(table, positions, block_size))
     values = compressor.compress(rows, entries)
-    entry_cache.flatten(0, 1)[entry_slots(table, entries, rate, block_size)] = values.to(
-        entry_cache.dtype
-    )
+    slots = entry_slots(table, entries, rate, block_size)
+    per_page = entry_cache.shape[1]
+    entry_cache[slots // per_page, slots % per_page] = values.to(entry_cache.dtype)

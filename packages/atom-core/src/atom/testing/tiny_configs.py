@@ -14,6 +14,7 @@ themselves, such as `atom.bench` in a torch-free parent process.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -377,7 +378,49 @@ def write_host_checkpoint(
     the tiny shape (head_dim 32: vLLM's CPU attention needs >= 32) with the host-suite
     overrides; weights of std 0.1 rather than HF's 0.02 give fewer near-ties."""
     config = tiny_config(architecture, **HOST_SUITE_OVERRIDES.get(architecture, {}))
-    return write_checkpoint(config, folder, seed=seed, init_std=init_std)
+    folder = write_checkpoint(config, folder, seed=seed, init_std=init_std)
+    if config.model_type == "deepseek_v4":  # as its model suite's checkpoints
+        from atom.testing.trained_look import draw_hash_tables, randomize_vectors
+
+        randomize_vectors(folder)
+        draw_hash_tables(folder, config.n_routed_experts)
+        release_deepseek_v4_config(folder)
+    return folder
+
+
+# DeepSeek-V4's released config.json gives each layer's compress ratio (0: sliding; the
+# CSA and HCA ratios 4 and 128, `compress_rate_csa` / `_hca` overriding the value) where
+# transformers writes `layer_types` and `compress_rates`.
+_RELEASED_V4_RATIOS = {
+    "sliding_attention": 0,
+    "compressed_sparse_attention": 4,
+    "heavily_compressed_attention": 128,
+}
+
+
+def release_deepseek_v4_config(folder: str | Path) -> None:
+    """Rewrites a transformers-written DeepSeek-V4 config.json in the release's names,
+    which transformers' config also reads (and vLLM 0.32's own config class parses,
+    while it refuses transformers' `mlp_layer_types`): `compress_ratios` per layer,
+    `compress_rate_csa` / `compress_rate_hca`, `num_hash_layers` (hash-routed layers
+    first), `rope_theta` / `compress_rope_theta` for the two ropes' plain parameters."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    rates = config.pop("compress_rates")
+    config["compress_ratios"] = [_RELEASED_V4_RATIOS[t] for t in config.pop("layer_types")]
+    config["compress_rate_csa"] = rates["compressed_sparse_attention"]
+    config["compress_rate_hca"] = rates["heavily_compressed_attention"]
+    mlp = config.pop("mlp_layer_types")
+    hashed = mlp.count("hash_moe")
+    if mlp != ["hash_moe"] * hashed + ["moe"] * (len(mlp) - hashed):
+        raise ValueError(f"the release's names put hash-routed layers first, not {mlp}")
+    config["num_hash_layers"] = hashed
+    rope = config.pop("rope_parameters")
+    for name, field in (("main", "rope_theta"), ("compress", "compress_rope_theta")):
+        if rope[name].get("rope_type", "default") != "default":
+            raise ValueError(f"release_deepseek_v4_config writes plain ropes, not {rope[name]}")
+        config[field] = rope[name]["rope_theta"]
+    path.write_text(json.dumps(config, indent=2))
 
 
 def host_checkpoints(root: Path) -> Callable[[str], Path]:
