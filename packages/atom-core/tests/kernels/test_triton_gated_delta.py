@@ -17,6 +17,7 @@ chunk of 64.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -174,6 +175,10 @@ LAUNCHES = {  # through the hook benchmarks/gated_delta.py --sweep uses
                                                 state_rows=64, state_stages=3),
     "fp32 scratch, half chunk rows": ChunkLaunch(state_rows=32, low_precision_wu=False,
                                                  low_precision_deltas=False),
+    "staged prepare": ChunkLaunch(prepare="staged"),
+    "staged prepare, input-dtype dots": ChunkLaunch(prepare="staged", low_precision_dots=True),
+    "staged prepare, fp32 scratch, 8 warps": ChunkLaunch(prepare="staged", low_precision_wu=False,
+                                                         prepare_warps=8, apply_warps=8),
 }  # fmt: skip
 
 
@@ -187,6 +192,42 @@ def test_prefill_launch_configs(launch, dtype, monkeypatch):
     lens = [16, 150, 5, 64]
     batch = make_batch(lens, 2, 4, 32, 48, dtype, [True, False, True, False], seed=6)
     check(*run_both(batch, lens, 32**-0.5, chunk_size=64), dtype)
+
+
+# The chunk-local kernels ChunkLaunch(prepare=...) selects, and the input-dtype products of
+# the state and output kernels: every variant beside today's default.
+VARIANTS = {
+    "staged": dict(prepare="staged"),
+    "staged, input-dtype dots": dict(prepare="staged", low_precision_dots=True),
+    "fused, input-dtype dots": dict(low_precision_dots=True),
+}
+
+
+def use_variant(monkeypatch, fields):
+    """The rule's default launches (narrow and wide state tiles) with `fields` changed."""
+    for name in ("NARROW_STATE_LAUNCH", "WIDE_STATE_LAUNCH"):
+        launch = getattr(triton_gated_delta, name)
+        monkeypatch.setattr(triton_gated_delta, name, replace(launch, **fields))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
+def test_prefill_variants(variant, dtype, chunk_size, monkeypatch):
+    """Each variant at every chunk size, GQA 4 and odd dims (Dk = 24, Dv = 40: partial
+    tiles), sequences of one token, of several chunks and ending inside one."""
+    use_variant(monkeypatch, variant)
+    lens, has_initial = [1, 70, 16, 23], [True, False, True, False]
+    batch = make_batch(lens, 1, 4, 24, 40, dtype, has_initial, seed=8)
+    check(*run_both(batch, lens, 24**-0.5, chunk_size=chunk_size), dtype)
+
+
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
+def test_prefill_variants_without_l2norm(variant, monkeypatch):
+    use_variant(monkeypatch, variant)
+    lens = [5, 37]
+    batch = make_batch(lens, 2, 4, 32, 32, torch.float32, [False, True], unit_keys=True, seed=9)
+    check(*run_both(batch, lens, 32**-0.5, use_l2norm=False), torch.float32)
 
 
 def test_prefill_bf16():
@@ -283,6 +324,8 @@ def test_prefill_then_decode_equals_one_prefill():
 def test_bad_launch_config_names_the_field():
     with pytest.raises(ValueError, match=re.escape("ChunkLaunch: state_rows=48")):
         ChunkLaunch(state_rows=48)
+    with pytest.raises(ValueError, match=re.escape("ChunkLaunch: prepare='split'")):
+        ChunkLaunch(prepare="split")
 
 
 @pytest.mark.parametrize(
@@ -315,9 +358,15 @@ GPU_CASES = {
 }
 
 
+GPU_VARIANTS = {"default": {}, **VARIANTS}
+
+
 @gpu
+@pytest.mark.parametrize("variant", GPU_VARIANTS.values(), ids=GPU_VARIANTS.keys())
 @pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
-def test_qwen3_next_shapes(case):
+def test_qwen3_next_shapes(case, variant, monkeypatch):
+    """Today's default launch and every variant (VARIANTS) at the models' shapes."""
+    use_variant(monkeypatch, variant)
     lens, has_initial = case
     batch = make_batch(lens, 16, 32, 128, 128, torch.bfloat16, has_initial, seed=4)
     check(*run_both(batch, lens, 128**-0.5, chunk_size=64), torch.bfloat16)
