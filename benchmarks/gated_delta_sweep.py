@@ -5,7 +5,8 @@ DecodeLaunch configs, at Qwen3-Next's shapes.
 The candidates are the launch the rule picks for the case by default (the narrow or the
 wide state tile, atom.kernels.triton.gated_delta.chunk_launch; DECODE_LAUNCH) and, one field
 at a time, each other value of VARIATIONS (Dv tiles, row blocks, warps and stages of the
-kernels, the scratch dtypes);
+kernels, the scratch dtypes, the prepare variant, input-dtype products), and the staged
+prepare with each value of STAGED_VARIATIONS;
 then the default with every field that beat it on its own, combined. Each candidate's outputs and
 final states are checked once against ATOM's torch reference (against the default's for
 sequences longer than REFERENCE_MAX_LEN, which the reference would take long to step
@@ -49,6 +50,15 @@ VARIATIONS = {
     "prepare_warps": [4, 8],
     "low_precision_wu": [True, False],
     "low_precision_deltas": [True, False],
+    "low_precision_dots": [False, True],
+    "prepare": ["fused", "staged"],
+}
+# The staged prepare (ChunkLaunch(prepare="staged")) has its own kernels, so its warps and
+# the input-dtype products are also tried on top of it, not only on the default's prepare.
+STAGED_VARIATIONS = {
+    "prepare_warps": [4, 8],
+    "apply_warps": [4, 8],
+    "low_precision_dots": [False, True],
 }
 TIMING_ROUNDS = 3
 PROFILED_CALLS = 5
@@ -78,6 +88,13 @@ def candidates(default: Launch) -> list[Launch]:
         if field in own
         for value in values
     ]
+    if isinstance(default, ChunkLaunch):
+        staged = replace(default, prepare="staged")
+        variations += [
+            replace(staged, **{field: value})
+            for field, values in STAGED_VARIATIONS.items()
+            for value in values
+        ]
     return list(dict.fromkeys([default, *variations]))  # a value may be the default's
 
 

@@ -17,6 +17,7 @@ chunk of 64.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -189,6 +190,56 @@ def test_prefill_launch_configs(launch, dtype, monkeypatch):
     check(*run_both(batch, lens, 32**-0.5, chunk_size=64), dtype)
 
 
+# The chunk-local kernels ChunkLaunch(prepare=...) selects, and the input-dtype products of
+# the state and output kernels: every variant beside today's default.
+VARIANTS = {
+    "staged": dict(prepare="staged"),
+    "staged, input-dtype dots": dict(prepare="staged", low_precision_dots=True),
+    "fused, input-dtype dots": dict(low_precision_dots=True),
+}
+
+
+def use_variant(monkeypatch, fields):
+    """The rule's default launches (narrow and wide state tiles) with `fields` changed."""
+    for name in ("NARROW_STATE_LAUNCH", "WIDE_STATE_LAUNCH"):
+        launch = getattr(triton_gated_delta, name)
+        monkeypatch.setattr(triton_gated_delta, name, replace(launch, **fields))
+
+
+# (variant, chunk size, dtype): the staged prepare at the smallest and the largest chunk;
+# the input-dtype products (state and output kernels, which do not depend on how the
+# prepare step is split) where they round: bf16 inputs. Few cases: the interpreter is slow.
+VARIANT_CASES = {
+    "staged, chunk 16, fp32": (VARIANTS["staged"], 16, torch.float32),
+    "staged, chunk 64, bf16": (VARIANTS["staged"], 64, torch.bfloat16),
+    "staged, input-dtype dots, chunk 64, bf16": (
+        VARIANTS["staged, input-dtype dots"], 64, torch.bfloat16,
+    ),
+    "fused, input-dtype dots, chunk 64, bf16": (
+        VARIANTS["fused, input-dtype dots"], 64, torch.bfloat16,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "variant, chunk_size, dtype", VARIANT_CASES.values(), ids=VARIANT_CASES.keys()
+)
+def test_prefill_variants(variant, chunk_size, dtype, monkeypatch):
+    """The variants at odd dims (Dk = 24, Dv = 40: partial tiles), GQA 2, sequences of one
+    token, of several chunks and ending inside one, with and without an initial state."""
+    use_variant(monkeypatch, variant)
+    lens, has_initial = [1, 70, 16, 23], [True, False, True, False]
+    batch = make_batch(lens, 1, 2, 24, 40, dtype, has_initial, seed=8)
+    check(*run_both(batch, lens, 24**-0.5, chunk_size=chunk_size), dtype)
+
+
+def test_staged_prepare_without_l2norm(monkeypatch):
+    use_variant(monkeypatch, VARIANTS["staged"])
+    lens = [5, 37]
+    batch = make_batch(lens, 2, 4, 32, 32, torch.float32, [False, True], unit_keys=True, seed=9)
+    check(*run_both(batch, lens, 32**-0.5, use_l2norm=False), torch.float32)
+
+
 def test_prefill_bf16():
     lens = [1, 5, 16, 37]
     batch = make_batch(lens, 2, 4, 32, 32, torch.bfloat16, [True, False, True, False])
@@ -283,6 +334,8 @@ def test_prefill_then_decode_equals_one_prefill():
 def test_bad_launch_config_names_the_field():
     with pytest.raises(ValueError, match=re.escape("ChunkLaunch: state_rows=48")):
         ChunkLaunch(state_rows=48)
+    with pytest.raises(ValueError, match=re.escape("ChunkLaunch: prepare='split'")):
+        ChunkLaunch(prepare="split")
 
 
 @pytest.mark.parametrize(
@@ -315,9 +368,15 @@ GPU_CASES = {
 }
 
 
+GPU_VARIANTS = {"default": {}, **VARIANTS}
+
+
 @gpu
+@pytest.mark.parametrize("variant", GPU_VARIANTS.values(), ids=GPU_VARIANTS.keys())
 @pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
-def test_qwen3_next_shapes(case):
+def test_qwen3_next_shapes(case, variant, monkeypatch):
+    """Today's default launch and every variant (VARIANTS) at the models' shapes."""
+    use_variant(monkeypatch, variant)
     lens, has_initial = case
     batch = make_batch(lens, 16, 32, 128, 128, torch.bfloat16, has_initial, seed=4)
     check(*run_both(batch, lens, 128**-0.5, chunk_size=64), torch.bfloat16)

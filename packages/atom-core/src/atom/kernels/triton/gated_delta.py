@@ -14,7 +14,8 @@ for the state S0 it starts from; then
     o_i = G_i (scale q_i)^T S0 + sum_{j <= i} (scale q_i . k_j) (G_i / G_j) delta_j.
 Three kernels, so that only the state recursion is sequential:
 - prepare (atom.kernels.triton.gated_delta_prepare): U, W and the in-chunk log decay of
-  every chunk at once;
+  every chunk at once (or, ChunkLaunch(prepare="staged"), two lighter kernels doing the
+  same: atom.kernels.triton.gated_delta_prepare_staged);
 - state: one program per (sequence, value head, Dv tile) walks the sequence's chunks in
   order, carrying S in fp32 registers; it stores each chunk's deltas and starting state;
 - output: one program per (chunk, value head, Dv tile), all at once, o from those two.
@@ -45,9 +46,18 @@ from atom.kernels.triton.gated_delta_prepare import (
     load_rows,
     store_rows,
 )
+from atom.kernels.triton.gated_delta_prepare_staged import (
+    APPLY_TILE,
+    chunk_apply_kernel,
+    chunk_inverse_kernel,
+    load_tile,
+    mma_operand,
+)
 from atom.kernels.triton.tiles import num_sms
 
 DEFAULT_CHUNK = 64
+PREPARE_VARIANTS = ("fused", "staged")
+DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @dataclass(frozen=True)
@@ -86,11 +96,24 @@ class ChunkLaunch:
     The low_precision_* flags keep scratch in the input dtype (bf16 for the models) instead
     of fp32, halving its traffic: W and U feed the state recursion (bf16: 4e-3 relative
     state error at Dk = Dv = 128 under the interpreter, the same after 256 and 4096
-    tokens); the deltas and chunk states feed only the outputs. All products take fp32
+    tokens); the deltas and chunk states feed only the outputs. By default all products take fp32
     operands (tf32 for bf16 inputs): the state kernel adds S up in fp32, and Triton's
-    interpreter computes fp32 products right, unlike bf16 ones."""
+    interpreter computes fp32 products right, unlike bf16 ones.
 
+    prepare="staged" runs the chunk-local part as two light kernels instead of the fused
+    one (atom.kernels.triton.gated_delta_prepare_staged: an fp32 inverse per chunk, then
+    W and U as tensor-core products of raw inputs in the input dtype); apply_warps are
+    its second kernel's. low_precision_dots feeds the output kernel's products and the
+    state kernel's W S input-dtype operands (bf16 tensor cores, fp32 accumulate) instead
+    of fp32 ones (tf32), as FLA's kernels do: half the registers a [Dk, Dv] tile takes,
+    twice the tensor-core rate. The state update k^T delta keeps fp32 operands (bf16 ones
+    doubled the state error in the CPU tests, to 1.1e-2 against a 1e-2 tolerance). Under
+    Triton's interpreter the operands are rounded to the input dtype and multiplied in
+    fp32."""
+
+    prepare: str = "fused"
     prepare_warps: int = 4
+    apply_warps: int = 4
     state_block_v: int = 32
     state_warps: int = 8
     state_stages: int = 3
@@ -99,8 +122,12 @@ class ChunkLaunch:
     output_warps: int = 4
     low_precision_wu: bool = True
     low_precision_deltas: bool = True
+    low_precision_dots: bool = False
 
     def __post_init__(self):
+        if self.prepare not in PREPARE_VARIANTS:
+            raise ValueError(f"ChunkLaunch: prepare={self.prepare!r} must be one of "
+                             f"{PREPARE_VARIANTS}")  # fmt: skip
         for name in ("state_block_v", "state_rows", "output_block_v"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):  # tl.dot tiles: powers of two, >= 16
@@ -158,10 +185,13 @@ def _chunk_state_kernel(
     k_stride_t, k_stride_h, s_stride_s, s_stride_h, s_stride_k, s_stride_v,
     num_v_heads, group, dk, dv,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
-    L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, value head, Dv tile): the chunks in order, S in fp32
-    registers; each chunk's starting state and deltas go to scratch for the output kernel."""
+    registers; each chunk's starting state and deltas go to scratch for the output kernel.
+    W S takes DOT_DTYPE operands (S rounded to it only as that factor); the update of S
+    takes fp32 ones."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
@@ -186,17 +216,20 @@ def _chunk_state_kernel(
         # Row blocks of the chunk one at a time (their deltas all read the starting state):
         # a block's [ROWS, Dk] tiles of W and K, not the chunk's, are live at once.
         next_state = state * tl.exp(cum_last)
+        state_operand = mma_operand(state, DOT_DTYPE, INTERPRETED)
         for block in tl.static_range(CHUNK // ROWS):
             rows = (chunk_start + block * ROWS + idx).to(tl.int64)
             valid = rows < end
             token_head = rows * num_v_heads + head
-            w = load_rows(w_ptr, token_head, valid, dk, 0, kcols, dk)
+            w = load_tile(w_ptr, token_head, valid, dk, 0, kcols, dk)
+            w = mma_operand(w, DOT_DTYPE, INTERPRETED)  # as stored when that is DOT_DTYPE
             u = load_rows(u_ptr, token_head, valid, dv, 0, vcols, dv)
-            delta = u - tl.dot(w, state, input_precision=PRECISION)
+            delta = u - tl.dot(w, state_operand, input_precision=PRECISION)
             store_rows(delta_ptr, rows, valid, num_v_heads, head, vcols, dv, delta)
             cum = tl.load(cum_ptr + token_head, mask=valid, other=0.0)
             k = load_rows(k_ptr, rows, valid, k_stride_t, k_offset, kcols, dk)
             k = l2_normalize(k, 1, L2NORM) * tl.where(valid, tl.exp(cum_last - cum), 0.0)[:, None]
+            # fp32 operands: bf16 keys and deltas here doubled the state's error (CPU tests)
             next_state = tl.dot(tl.trans(k), delta, next_state, input_precision=PRECISION)
         state = next_state
         chunk += 1
@@ -210,10 +243,11 @@ def _chunk_output_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, o_stride_t, o_stride_h,
     num_v_heads, group, dk, dv, scale,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """One program per (chunk, value head, Dv tile): the chunk's outputs from its starting
-    state and deltas."""
+    state and deltas (products on DOT_DTYPE operands, fp32 accumulate)."""
     chunk, head, key_head, start, end = chunk_program(chunk_start_ptr, chunk_end_ptr, group)
     idx = tl.arange(0, CHUNK)
     rows = (start + idx).to(tl.int64)
@@ -231,17 +265,20 @@ def _chunk_output_kernel(
     q = load_rows(q_ptr, rows, valid, q_stride_t, key_head * q_stride_h, kcols, dk)
     q = l2_normalize(q, 1, L2NORM) * scale
     k = load_rows(k_ptr, rows, valid, k_stride_t, key_head * k_stride_h, kcols, dk)
-    qk = tl.dot(q, tl.trans(l2_normalize(k, 1, L2NORM)), input_precision=PRECISION)
+    k = mma_operand(l2_normalize(k, 1, L2NORM), DOT_DTYPE, INTERPRETED)
+    qk = tl.dot(mma_operand(q, DOT_DTYPE, INTERPRETED), tl.trans(k), input_precision=PRECISION)
     causal = idx[:, None] >= idx[None, :]
     # exp only where i >= j: the cumulative log decay falls, so those ratios are <= 1.
     qk *= tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
 
     ptrs = _chunk_state_ptrs(chunk_state_ptr, chunk, head, num_v_heads, kcols, vcols, dk, dv)
     state_mask = (kcols[:, None] < dk) & (vcols[None, :] < dv)
-    chunk_state = tl.load(ptrs, mask=state_mask, other=0.0).to(tl.float32)
-    delta = load_rows(delta_ptr, token_head, valid, dv, 0, vcols, dv)
-    o = tl.dot(q * tl.exp(cum)[:, None], chunk_state, input_precision=PRECISION)
-    o = tl.dot(qk, delta, o, input_precision=PRECISION)
+    chunk_state = mma_operand(tl.load(ptrs, mask=state_mask, other=0.0), DOT_DTYPE, INTERPRETED)
+    delta = load_tile(delta_ptr, token_head, valid, dv, 0, vcols, dv)
+    q = mma_operand(q * tl.exp(cum)[:, None], DOT_DTYPE, INTERPRETED)
+    o = tl.dot(q, chunk_state, input_precision=PRECISION)
+    qk = mma_operand(qk, DOT_DTYPE, INTERPRETED)
+    o = tl.dot(qk, mma_operand(delta, DOT_DTYPE, INTERPRETED), o, input_precision=PRECISION)
     tl.store(out_ptrs, o.to(o_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -327,6 +364,30 @@ def _check_inputs(q, k, v, g, beta, state, state_slots, query_start_loc, has_ini
         )
 
 
+def _staged_prepare(k, v, g, beta, w, u, cum, chunk_starts, chunk_ends, strides, num_v_heads,
+                    group, shape_args, input_dots, launch):  # fmt: skip
+    """W, U and the in-chunk log decay by ChunkLaunch(prepare="staged"): each chunk's
+    scaled inverses into [T, Hv, C] scratch in the input dtype, then the products."""
+    num_tokens, _, dk = k.shape
+    dv = v.shape[2]
+    grid = (chunk_starts.shape[0], num_v_heads)
+    chunk = shape_args["CHUNK"]
+    inv_w = torch.empty(num_tokens, num_v_heads, chunk, dtype=v.dtype, device=v.device)
+    inv_u = torch.empty_like(inv_w)
+    chunk_inverse_kernel[grid](
+        k, g, beta, inv_w, inv_u, cum, chunk_starts, chunk_ends, *strides[:2], *strides[4:],
+        num_v_heads, group, dk, **shape_args, **input_dots, num_warps=launch.prepare_warps,
+    )  # fmt: skip
+    block_v = max(triton.next_power_of_2(dv), 16)
+    block_k = shape_args["BLOCK_K"]
+    chunk_apply_kernel[grid](
+        k, v, inv_w, inv_u, w, u, chunk_starts, chunk_ends, *strides[:4], num_v_heads, group,
+        dk, dv, CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=block_v, TILE_K=min(block_k, APPLY_TILE),
+        TILE_V=min(block_v, APPLY_TILE), PRECISION=shape_args["PRECISION"], **input_dots,
+        num_warps=launch.apply_warps,
+    )  # fmt: skip
+
+
 def _chunk_bounds(query_start_loc: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
     """Every chunk's first token, its sequence's end and its sequence, and every sequence's
     first chunk (int32, one host sync and one copy)."""
@@ -409,24 +470,33 @@ def gated_delta_rule(
     chunk_states = torch.empty(num_chunks, num_v_heads, dk, dv, **deltas)
     cum = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=v.device)
     shape_args = dict(CHUNK=chunk_size, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision)
-    chunk_prepare_kernel[(num_chunks, num_v_heads)](
-        k, v, g, beta, w, u, cum, chunk_starts, chunk_ends, k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        num_v_heads, group, dk, dv, BLOCK_V=full_v, **shape_args,
-        num_warps=launch.prepare_warps,
-    )  # fmt: skip
+    # Triton's interpreter (CPU tensors) multiplies bf16 tiles wrongly: see mma_operand.
+    interpreted = v.device.type == "cpu"
+    input_dots = dict(DOT_DTYPE=DOT_DTYPES[v.dtype], INTERPRETED=interpreted)
+    strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
+               beta.stride(0), beta.stride(1))  # fmt: skip
+    if launch.prepare == "staged":
+        _staged_prepare(k, v, g, beta, w, u, cum, chunk_starts, chunk_ends, strides,
+                        num_v_heads, group, shape_args, input_dots, launch)  # fmt: skip
+    else:
+        chunk_prepare_kernel[(num_chunks, num_v_heads)](
+            k, v, g, beta, w, u, cum, chunk_starts, chunk_ends, *strides,
+            num_v_heads, group, dk, dv, BLOCK_V=full_v, **shape_args,
+            num_warps=launch.prepare_warps,
+        )  # fmt: skip
+    dots = input_dots if launch.low_precision_dots else dict(input_dots, DOT_DTYPE=tl.float32)
     block_v = min(full_v, launch.state_block_v)
     _chunk_state_kernel[(num_seqs, num_v_heads, triton.cdiv(dv, block_v))](
         k, w, u, cum, delta, chunk_states, state, state_slots, query_start_loc,
         has_initial_state, first_chunks, k.stride(0), k.stride(1), *state_strides,
         num_v_heads, group, dk, dv, BLOCK_V=block_v, ROWS=min(launch.state_rows, chunk_size),
-        **shape_args, num_warps=launch.state_warps, num_stages=launch.state_stages,
+        **shape_args, **dots, num_warps=launch.state_warps, num_stages=launch.state_stages,
     )  # fmt: skip
     block_v = min(full_v, launch.output_block_v)
     _chunk_output_kernel[(num_chunks, num_v_heads, triton.cdiv(dv, block_v))](
         q, k, cum, delta, chunk_states, o, state_slots, chunk_starts, chunk_ends, chunk_seqs,
         *common_strides, o.stride(0), o.stride(1), num_v_heads, group, dk, dv, scale,
-        BLOCK_V=block_v, **shape_args,
+        BLOCK_V=block_v, **shape_args, **dots,
         num_warps=launch.output_warps,
     )  # fmt: skip
     return o
