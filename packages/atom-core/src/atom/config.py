@@ -219,5 +219,4 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        # Verify and draft steps are not captured yet (docs/performance.md).
-        return self.device.startswith("cuda") and not self.enforce_eager and not self.speculative
+        return self.device.startswith("cuda") and not self.enforce_eager

@@ -1,37 +1,12 @@
 """The decode-graph input path (staged buffers, padding to a captured size) on the CPU:
-"replaying" runs the model eagerly on the static buffers, so the tokens equal the plain
-eager engine's only if run() fills those buffers right."""
+"replaying" runs the model eagerly on the static buffers (StepGraphs' capture=False), so
+the tokens equal the plain eager engine's only if run() fills those buffers right."""
 
 from __future__ import annotations
 
-import torch
-
 from atom import LLM, SamplingParams
-from atom.engine.cuda_graphs import DecodeGraphs
-from atom.forward_context import set_forward_context
 from tests.models.harness import make_prompts, write_checkpoint
 from tests.models.test_llama import qwen3_config
-
-
-class _EagerReplay:
-    def __init__(self, graphs: DecodeGraphs, model, bs: int):
-        self.graphs, self.model, self.bs = graphs, model, bs
-
-    def replay(self) -> None:
-        self.graphs.replays += 1
-        d = self.graphs.inputs.device
-        with set_forward_context(self.graphs._metadata(self.bs)):
-            hidden = self.model(d["input_ids"][: self.bs], d["positions"][: self.bs])
-        self.output.copy_(hidden)
-
-
-class EagerReplayGraphs(DecodeGraphs):
-    def _capture(self, model) -> None:
-        self.replays = 0
-        for bs in self.sizes:
-            replay = _EagerReplay(self, model, bs)
-            replay.output = torch.empty(bs, model.config.hidden_size)
-            self.graphs[bs] = (replay, replay.output)
 
 
 def test_staged_decode_inputs_give_eager_tokens(tmp_path):
@@ -45,7 +20,7 @@ def test_staged_decode_inputs_give_eager_tokens(tmp_path):
         llm = LLM(str(folder), dtype="float32", skip_tokenizer_init=True, block_size=4)
         runner = llm.engine.executor.runner
         if staged:
-            runner.decode_graphs = EagerReplayGraphs(runner.model, 8, 16, 4, "cpu")
+            runner.capture_cuda_graphs(8, 64, capture=False)
             assert runner.decode_graphs.sizes == [1, 2, 4, 8]
         outputs[staged] = [
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)

@@ -319,15 +319,14 @@ def test_startup_summary_reports_both_groups(checkpoint):
 
 def test_decode_graph_inputs_carry_every_groups_tables(checkpoint):
     """The CUDA-graph input path (static buffers per group), replayed eagerly on the CPU."""
-    from tests.engine.test_decode_graph_inputs import EagerReplayGraphs
-
     prompts = make_prompts(256, PROMPT_LENGTHS[:3], seed=13)
     outputs = {}
     for staged in (False, True):
         llm = engine(checkpoint, block_size=4)
         runner = llm.engine.executor.runner
         if staged:
-            runner.decode_graphs = EagerReplayGraphs(runner.model, 4, 64, 4, "cpu", 2)
+            runner.capture_cuda_graphs(4, 256, capture=False)
+            assert runner.decode_graphs.num_kv_groups == 2
         outputs[staged] = [
             o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)
         ]

@@ -129,15 +129,13 @@ def test_decode_graph_inputs_carry_the_state_slots(checkpoint, prompts):
     """The decode-graph input path (static buffers, batches padded to a captured size) on
     the CPU, replayed eagerly: the state slots must reach the layers through the static
     buffers, and padding rows must leave the sequences' rows alone."""
-    from tests.engine.test_decode_graph_inputs import EagerReplayGraphs
-
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 4, 7)]
     outputs = {}
     for staged in (False, True):
         llm = engine(checkpoint, block_size=4)
         runner = llm.engine.executor.runner
         if staged:
-            runner.decode_graphs = EagerReplayGraphs(runner.model, 8, 16, 4, "cpu")
+            runner.capture_cuda_graphs(8, 64, capture=False)
         outputs[staged] = tokens(llm.generate(prompts[:3], params, use_tqdm=False))
         if staged:
             assert runner.decode_graphs.replays >= 6

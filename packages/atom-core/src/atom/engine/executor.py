@@ -146,7 +146,10 @@ class _Shard:
         # Under DP attention a captured graph would bake every rank's token count into its
         # collectives: DP decode runs eagerly (LLMEngine logs it).
         if config.use_cuda_graphs and config.parallel.data_parallel_size == 1:
-            runner.capture_cuda_graphs(config.max_num_seqs, config.model.max_model_len)
+            k = config.speculative.num_speculative_tokens if config.speculative else 0
+            runner.capture_cuda_graphs(
+                config.max_num_seqs, config.model.max_model_len, config.max_num_batched_tokens, k
+            )
         return runner
 
 
@@ -179,14 +182,12 @@ class _RankSteps:
         return self.runner.execute(inputs, logit_rows, feed)
 
     def verify(self, inputs: list[StepInput], logit_rows: list[int], verified_rows):
-        """A speculative step: logits and hidden states; verified_rows (slots, first rows,
+        """A speculative step: logits and the drafter's features; verified_rows (slots, first rows,
         row counts of the verified sequences) for a hybrid model's state checkpoints."""
         self.checkpoints = None
         if verified_rows is not None:
             self.checkpoints = StateCheckpoints(*verified_rows, self.runner.device)
-        return self.runner.execute_keeping_hidden(
-            inputs, logit_rows, state_checkpoints=self.checkpoints
-        )
+        return self.runner.verify(inputs, logit_rows, self.checkpoints)
 
     def draft(self, inputs: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int]):
         return self.runner.draft(inputs, hidden, step, rows)
@@ -323,7 +324,8 @@ class Executor:
         logit_rows: list[int],
         verified_rows: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """A speculative step's logits and hidden states (`_RankSteps.verify`)."""
+        """A speculative step's logits and the drafter's features of its tokens
+        (`ModelRunner.verify`)."""
         return self._call("verify", inputs, logit_rows, verified_rows)
 
     def draft(

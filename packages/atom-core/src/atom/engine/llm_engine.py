@@ -120,8 +120,6 @@ class LLMEngine:
         self._request_counter = itertools.count()
         if async_scheduling is None:
             async_scheduling = config.device.startswith("cuda")
-        if config.speculative is not None and config.device.startswith("cuda"):
-            logger.info("CUDA graphs are off: speculative steps run eagerly")
         if async_scheduling and config.speculative is not None:
             logger.info("async scheduling is off: speculative decoding verifies on the host")
             async_scheduling = False
@@ -292,7 +290,6 @@ class LLMEngine:
             logits, hidden = self.executor.verify(
                 plan.inputs, plan.rows, plan.verified_state_rows() if rolls_back else None
             )
-            hidden = self.model.drafter.target_features(hidden)
         for seq, n, d in zip(batch.seqs, batch.num_new_tokens, drafts):
             # Drafts count as computed once accepted (_finish_verified).
             seq.num_computed_tokens += n - len(d)

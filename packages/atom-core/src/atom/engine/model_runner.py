@@ -12,8 +12,10 @@ from torch import nn
 
 from atom.config import ConfigError, ModelConfig
 from atom.cuda_graphs import graph_blockers
-from atom.engine.cuda_graphs import DecodeGraphs
+from atom.engine.cuda_graphs import StepGraphs
 from atom.engine.kv_groups import KVCacheGroup, attention_impls, shared_slots
+from atom.engine.speculative_graphs import drafter_shapes, drafter_step, target_step
+from atom.engine.state_cache import is_hybrid
 from atom.engine.step_arrays import StepInput, TokenFeed, build_step_arrays, upload
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.kv_cache import fp8_kv_cache_unsupported
@@ -165,25 +167,84 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.num_kv_groups = num_kv_groups
-        self.decode_graphs = None
+        # One step function for the eager path and the captured graphs.
+        self.target_step = target_step(model)
+        # Graphs of uniform steps, by query tokens per sequence, and the drafter's by
+        # (draft step, rows per sequence) (atom.engine.speculative_graphs).
+        self.target_graphs: dict[int, StepGraphs] = {}
+        self.draft_graphs: dict[tuple[int, int], StepGraphs] = {}
 
-    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        blockers = graph_blockers(self.model, self.device)
-        if blockers:
-            logger.warning(
-                "decode runs without CUDA graphs: %s cannot be captured", ", ".join(blockers)
-            )
-            return
+    @property
+    def decode_graphs(self) -> StepGraphs | None:
+        return self.target_graphs.get(1)
+
+    def capture_cuda_graphs(
+        self,
+        max_batch_size: int,
+        max_model_len: int,
+        max_num_tokens: int | None = None,
+        num_speculative_tokens: int = 0,
+        capture: bool = True,
+    ) -> None:
+        """Graphs of decode steps and, with a drafter, of the verify step (k + 1 tokens
+        per sequence) and the drafter's steps; max_num_tokens bounds a step's tokens.
+        Parts that cannot be captured stay eager, each with one log line. capture=False
+        builds the same static buffers and runs every step eagerly through them (the CPU
+        tests of that path)."""
         if max_batch_size > MAX_GRAPH_BATCH:
-            logger.info(
-                "decode batches above %d sequences run without CUDA graphs", MAX_GRAPH_BATCH
-            )
+            logger.info("steps of more than %d sequences run without CUDA graphs", MAX_GRAPH_BATCH)
             max_batch_size = MAX_GRAPH_BATCH
         max_blocks = -(-max_model_len // self.block_size)
-        self.decode_graphs = DecodeGraphs(
-            self.model, max_batch_size, max_blocks, self.block_size, self.device,
-            self.num_kv_groups,
-        )  # fmt: skip
+        max_num_tokens = max_num_tokens or max_batch_size
+        eager: dict[str, list[str]] = {}  # why -> the steps it keeps eager
+        pool = None
+
+        def build(name, module, step, query_len, hybrid=False, device_inputs=None):
+            nonlocal pool
+            batch_size = min(max_batch_size, max_num_tokens // query_len)
+            if batch_size < 1:
+                return None  # the token budget never schedules such a step
+            blockers = graph_blockers(module, self.device, query_len) if capture else []
+            if blockers:
+                eager.setdefault(f"{', '.join(blockers)} cannot be captured", []).append(name)
+                return None
+            graphs = StepGraphs(
+                step, query_len, batch_size, max_blocks,
+                self.block_size, self.device, self.num_kv_groups, hybrid, device_inputs,
+                capture, pool,
+            )  # fmt: skip
+            pool = graphs.pool
+            return graphs
+
+        hybrid = is_hybrid(self.model)
+        shapes = [1]
+        if num_speculative_tokens:
+            shapes.append(num_speculative_tokens + 1)
+        for query_len in shapes:
+            name = "decode" if query_len == 1 else f"verify ({query_len} tokens per sequence)"
+            if query_len > 1 and hybrid:
+                # The rollback's checkpoints are recorded from Python during the step.
+                why = "Gated DeltaNet state checkpoints are taken at rows the host lists"
+                eager.setdefault(why, []).append(name)
+                continue
+            graphs = build(name, self.model, self.target_step, query_len, hybrid)
+            if graphs is not None:
+                self.target_graphs[query_len] = graphs
+        drafter = getattr(self.model, "drafter", None)
+        if num_speculative_tokens and drafter is not None:
+            width = {"hidden": (self.activation_dtype(), drafter.hidden_size)}
+            for step, rows in drafter_shapes(num_speculative_tokens):
+                name = f"draft step {step} ({rows} rows per sequence)"
+                fn = drafter_step(drafter, step, rows)
+                graphs = build(name, drafter, fn, rows, device_inputs=width)
+                if graphs is not None:
+                    self.draft_graphs[step, rows] = graphs
+        for why, names in eager.items():
+            logger.warning("without CUDA graphs: %s (%s)", "; ".join(names), why)
+
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype hidden states flow in (weights may be quantized; embeddings are not)."""
+        return self.model.model.embed_tokens.weight.dtype
 
     def prepare(
         self, batch: list[StepInput]
@@ -196,22 +257,24 @@ class ModelRunner:
         batch: list[StepInput],
         feed: TokenFeed | None = None,
         state_checkpoints: StateCheckpoints | None = None,
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] of every new token; `feed` supplies input tokens that
-        are still on the device; `state_checkpoints`: a speculative verify step's, for a
-        hybrid model (it runs eagerly).
+    ) -> tuple[torch.Tensor, ...]:
+        """The target step's outputs (`speculative_graphs.target_step`): the hidden states
+        [T, hidden] of every new token, then, with a drafter, what it reads of them.
+        `feed` supplies input tokens that are still on the device; `state_checkpoints`: a
+        speculative verify step's, for a hybrid model (it runs eagerly).
 
         Decode rows (one new token) must come before prefill rows.
         """
         arrays = build_step_arrays(batch, self.block_size)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(arrays):
-            return self.decode_graphs.run(arrays, feed)
+        graphs = self.target_graphs.get(arrays.num_tokens // max(arrays.num_seqs, 1))
+        if state_checkpoints is None and graphs is not None and graphs.can_run(arrays):
+            return graphs.run(arrays, feed)
         input_ids, positions, metadata = upload(arrays, self.device)
         metadata.state_checkpoints = state_checkpoints
         if feed is not None:
             feed.apply(input_ids)
         with set_forward_context(metadata):
-            return self.model(input_ids, positions)
+            return self.target_step(input_ids, positions)
 
     @torch.inference_mode()
     def execute(
@@ -219,32 +282,44 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """fp32 logits of the given (ascending) token rows of the step; None when no row
         is asked."""
-        return self.execute_keeping_hidden(batch, logit_rows, feed)[0]
+        return self._logits(self.forward(batch, feed)[0], logit_rows)
 
     @torch.inference_mode()
-    def execute_keeping_hidden(
+    def verify(
         self,
         batch: list[StepInput],
         logit_rows: list[int],
-        feed: TokenFeed | None = None,
         state_checkpoints: StateCheckpoints | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """`execute`'s logits and the hidden states [T, hidden] of every new token (a
-        drafter reads them)."""
-        hidden = self.forward(batch, feed, state_checkpoints)
+        """A speculative step: `execute`'s logits and what the drafter reads of every new
+        token (its `target_features`, [T, width])."""
+        hidden, features = self.forward(batch, None, state_checkpoints)
+        # A copy: the sequences' backlogs hold these rows past the graph's next replay.
+        return self._logits(hidden, logit_rows), features.clone()
+
+    def _logits(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor | None:
         if not logit_rows:
-            return None, hidden
-        return self.model.compute_logits(select_rows(hidden, logit_rows)).float(), hidden
+            return None
+        return self.model.compute_logits(select_rows(hidden, logit_rows)).float()
 
     @torch.inference_mode()
     def draft(
         self, batch: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int]
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One forward of the model's drafter over `hidden` (atom.speculative.proposer),
-        then the draft tokens of output `rows` and their states for the next step (None
-        and an empty state where no row drafts)."""
+        then the draft tokens of output `rows` (each a sequence's last row) and their
+        states for the next step (None and an empty state where no row drafts)."""
         drafter = self.model.drafter
-        input_ids, positions, metadata = self.prepare(batch)
+        arrays = build_step_arrays(batch, self.block_size)
+        rows_per_seq = arrays.num_tokens // max(arrays.num_seqs, 1)
+        graphs = self.draft_graphs.get((step, rows_per_seq))
+        if rows and graphs is not None and graphs.can_run(arrays):
+            tokens, state = graphs.run(arrays, device_inputs={"hidden": hidden})
+            if len(rows) == arrays.num_seqs:
+                return tokens, state
+            index = torch.tensor([row // rows_per_seq for row in rows], device=tokens.device)
+            return tokens[index], state[index]
+        input_ids, positions, metadata = upload(arrays, self.device)
         with set_forward_context(metadata):
             output, state = drafter(input_ids, positions, hidden, step)
         if not rows:
@@ -255,7 +330,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:
         """Logits [B, vocab] of each sequence's last new token, or [T, vocab] for all of them."""
-        hidden = self.forward(batch)
+        hidden = self.forward(batch)[0]
         if not all_positions:
             last_rows = list(itertools.accumulate(len(item.token_ids) for item in batch))
             hidden = select_rows(hidden, [row - 1 for row in last_rows])

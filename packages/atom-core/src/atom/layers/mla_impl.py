@@ -41,9 +41,11 @@ class NativeMLAImpl(nn.Module):
     keys in fp8 too, at scale 1.0 (they are LayerNorm'd).
     """
 
-    # The ops of a captured (pure-decode) step: their Triton kernels are capturable, the
-    # torch references loop over host-side lengths.
+    # The ops of a captured step: their Triton kernels are capturable, the torch references
+    # loop over host-side lengths. One token per sequence takes the absorbed decode path,
+    # several (a speculative verify step) the up-projected prefill path.
     DECODE_OPS = ("write_mla_cache", "mla_decode_attention")
+    PREFILL_OPS = ("write_mla_cache", "mla_prefill_attention")
     SPARSE_DECODE_OPS = (
         "write_mla_cache",
         "write_indexer_keys",
@@ -69,8 +71,14 @@ class NativeMLAImpl(nn.Module):
 
     @property
     def cuda_graph_safe(self) -> bool:
+        return self.cuda_graph_safe_for(1)
+
+    def cuda_graph_safe_for(self, query_tokens: int) -> bool:
         device = next(self.spec.kv_b_proj.parameters()).device
-        ops = self.SPARSE_DECODE_OPS if self.spec.index_topk else self.DECODE_OPS
+        if self.spec.index_topk:
+            ops = self.SPARSE_DECODE_OPS  # the same ops for any number of tokens
+        else:
+            ops = self.DECODE_OPS if query_tokens == 1 else self.PREFILL_OPS
         return all(is_capturable(op, device) for op in ops)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:

@@ -118,7 +118,7 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(nn.Module):
     def __init__(self, target: nn.Module, config: Any, own_embedding: bool):
         super().__init__()
-        hidden = config.hidden_size
+        self.hidden_size = hidden = config.hidden_size  # of fc's output and its states
         self.aux_layers = aux_layer_ids(config, target.config.num_hidden_layers)
         self.fc = ReplicatedLinear(target.config.hidden_size * len(self.aux_layers), hidden)
         self.midlayer = Eagle3Layer(config)

@@ -71,6 +71,7 @@ class MtpDrafter(nn.Module):
         the target's embedding (the checkpoint's copy in each MTP layer is the same)."""
         super().__init__()
         self.embed = embed
+        self.hidden_size = config.hidden_size  # of the hidden states it reads and passes on
         self.first_index = config.num_hidden_layers
         self.recycle_normed = recycle_normed
         self.layers = nn.ModuleDict(

@@ -16,7 +16,9 @@ distribution, which keeps the output exact (verifier.py).
 
 A drafter (mtp.MtpDrafter, qwen3_next_mtp.Qwen3NextMtpDrafter, eagle3.Eagle3Drafter) offers `forward(input_ids, positions,
 hidden, step) -> (output, state)`, `draft_tokens(output rows, step)` in the target's
-vocabulary, and `target_features(final hidden)`: what it reads of the target's step.
+vocabulary, `target_features(final hidden)`: what it reads of the target's step, and
+`hidden_size`, the width of what it reads. Uniform batches (every sequence the same
+number of rows) replay CUDA graphs (atom.engine.speculative_graphs).
 """
 
 from __future__ import annotations

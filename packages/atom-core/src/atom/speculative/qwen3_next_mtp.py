@@ -46,6 +46,7 @@ class Qwen3NextMtpDrafter(nn.Module):
 
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed, self.head = embed, head
+        self.hidden_size = hidden  # of the hidden states it reads and passes on
         self.first_index = config.num_hidden_layers
         count = num_mtp_layers(config)
         # The layers come after the target's, as full-attention layers (their index picks

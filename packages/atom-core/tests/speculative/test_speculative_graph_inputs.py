@@ -1,0 +1,89 @@
+"""The CUDA-graph input path of speculative steps on the CPU: the verify step (k + 1
+tokens per sequence) and the drafter's steps run through the static, padded buffers of
+their capture sets, each "replay" running the step eagerly (capture_cuda_graphs with
+capture=False). Greedy output must stay the target's own, token for token, through
+chunked prefill, prefix hits, preemption and batches padded to a capture size, and the
+drafts the same as without the buffers (a drafter's error costs only acceptance, so the
+acceptance counts must match the eager speculative run's exactly): both hold only if the
+buffers carry every step's tokens, positions, pages and hidden states right."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from atom import LLM
+from atom.testing.eagle3_checkpoints import write_drafter, write_target
+from atom.testing.mtp_checkpoints import write_mtp_checkpoint
+from tests.speculative.workload import run
+
+K = 3
+# Bounds the verify step at 16 // (K + 1) = 4 sequences: 3 running pad to 4.
+SMALL_POOL = dict(max_num_batched_tokens=16, num_blocks=18, block_size=4)
+
+
+def checkpoint(case: str, kind: str, tmp_path) -> tuple[str, dict]:
+    """(target folder, speculative_config) of a tiny MTP family or an EAGLE-3 target."""
+    if case in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        target = write_target(case, tmp_path / "target", lean=1.0)
+        drafter = write_drafter(target, tmp_path / "drafter", kind)
+        return str(target), {"method": "eagle3", "num_speculative_tokens": K, "model": str(drafter)}
+    folder = write_mtp_checkpoint(case, tmp_path, kind)
+    return str(folder), {"method": "mtp", "num_speculative_tokens": K}
+
+
+CASES = [
+    ("deepseek-v3", "repeat"),  # MLA: on the GPU its verify step stays eager
+    ("glm-4.5", "repeat"),
+    ("LlamaForCausalLM", "repeat"),
+    ("Qwen3ForCausalLM", "random"),
+]
+
+
+@pytest.mark.parametrize(("case", "kind"), CASES)
+def test_static_buffers_of_speculative_steps_keep_the_targets_output(tmp_path, case, kind):
+    folder, spec = checkpoint(case, kind, tmp_path)
+    common = dict(model=folder, dtype="float32", skip_tokenizer_init=True)
+    expected = run(LLM(**common))
+    eager = LLM(**common, speculative_config=spec, **SMALL_POOL)
+    assert run(eager) == expected and run(eager) == expected
+    llm = LLM(**common, speculative_config=spec, **SMALL_POOL)
+    runner = llm.engine.executor.runner
+    runner.capture_cuda_graphs(8, llm.engine.config.model.max_model_len, 16, K, capture=False)
+    assert sorted(runner.target_graphs) == [1, K + 1]
+    assert runner.target_graphs[K + 1].sizes == [1, 2, 4]
+    assert sorted(runner.draft_graphs) == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (2, 1)]
+    assert run(llm) == expected
+    assert run(llm) == expected  # from the prefix cache
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.num_free_blocks == stats.num_blocks
+    # Every kind of step went through the static buffers.
+    assert runner.target_graphs[K + 1].replays > 0
+    assert runner.draft_graphs[1, 1].replays > 0 and runner.draft_graphs[2, 1].replays > 0
+    assert sum(runner.draft_graphs[0, rows].replays for rows in range(1, K + 2)) > 0
+    assert llm.engine.spec_stats == eager.engine.spec_stats
+    if kind == "repeat":  # steps that keep some drafts and steps that keep them all
+        spec_stats = llm.engine.spec_stats
+        assert spec_stats.acceptance_rate > 0.1 and spec_stats.accepted_per_position[-1] > 0
+
+
+def test_a_hybrid_verify_step_stays_eager_with_one_line(tmp_path, caplog):
+    """Qwen3-Next: the verify step's state checkpoints are taken at rows the host lists;
+    its decode steps and the drafter's steps still take the static buffers."""
+    folder, spec = checkpoint("qwen3-next", "repeat", tmp_path)
+    common = dict(model=folder, dtype="float32", skip_tokenizer_init=True)
+    expected = run(LLM(**common))
+    llm = LLM(**common, speculative_config=spec, **SMALL_POOL)
+    runner = llm.engine.executor.runner
+    with caplog.at_level(logging.WARNING, logger="atom.engine.model_runner"):
+        runner.capture_cuda_graphs(8, llm.engine.config.model.max_model_len, 16, K, capture=False)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "without CUDA graphs: verify (4 tokens per sequence) "
+        "(Gated DeltaNet state checkpoints are taken at rows the host lists)"
+    )
+    assert sorted(runner.target_graphs) == [1]
+    assert run(llm) == expected
+    assert runner.draft_graphs[1, 1].replays > 0
