@@ -119,6 +119,22 @@ def test_engine_keeps_the_full_layout_and_says_so(checkpoint, caplog):
     assert "cache shapes differ" in line
 
 
+def test_the_config_alone_gives_each_layers_cache_shapes():
+    """What a host sizes its pool rows from before the model exists (SGLang's) is what
+    each built layer's impl then binds, at every page size."""
+    from atom.models.deepseek_v4 import DeepseekV4ForCausalLM, cache_layouts
+
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(TINY)
+    impls = [layer.attn.impl for layer in model.model.layers]
+    layouts = cache_layouts(TINY)
+    assert len(layouts) == len(impls) == TINY.num_hidden_layers
+    for layout, impl in zip(layouts, impls):
+        assert layout.kv_cache_labels() == impl.kv_cache_labels()
+        for block_size in (1, 4, 16, 256):
+            assert layout.kv_cache_shapes(3, block_size) == impl.kv_cache_shapes(3, block_size)
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [

@@ -27,7 +27,12 @@ import torch
 from torch import nn
 
 from atom.config import ConfigError
-from atom.layers.compressed_attention import CompressedAttention, CompressedAttentionShape
+from atom.layers.compressed_attention import (
+    CompressedAttention,
+    CompressedAttentionShape,
+    cache_layout,
+)
+from atom.layers.compressed_attention_impl import CompressedCacheLayout
 from atom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.hash_moe import SCORING_FUNCS, HashMoE
 from atom.layers.hyper_connection import HyperConnection, HyperHead
@@ -125,6 +130,12 @@ def attention_shape(config: Any, index: int) -> CompressedAttentionShape:
         index_head_dim=config.index_head_dim if kind == CSA else 0,
         index_topk=config.index_topk if kind == CSA else 0,
     )
+
+
+def cache_layouts(config: Any) -> list[CompressedCacheLayout]:
+    """Each layer's cache tensors, from the config alone (a host sizes its pool rows from
+    them before building the model)."""
+    return [cache_layout(attention_shape(config, i)) for i in range(config.num_hidden_layers)]
 
 
 class DeepseekV4DecoderLayer(nn.Module):
