@@ -81,20 +81,52 @@ def test_served_sparse_models_skip_sglang_dsa_path_and_widen_mla_rows():
     from sglang.srt.configs.model_config import is_deepseek_dsa
 
     from atom.testing import tiny_config
-    from atom_sglang.patches import not_sglang_dsa, rows_with_indexer_keys
+    from atom_sglang.patches import not_served_by_sglang, pool_rows_for_atom
 
     config = tiny_config("DeepseekV32ForCausalLM")
     assert is_deepseek_dsa(config)
-    assert not not_sglang_dsa(["DeepseekV32ForCausalLM"])(is_deepseek_dsa, config)
-    assert not_sglang_dsa(["GlmMoeDsaForCausalLM"])(is_deepseek_dsa, config)
+    assert not not_served_by_sglang(["DeepseekV32ForCausalLM"])(is_deepseek_dsa, config)
+    assert not_served_by_sglang(["GlmMoeDsaForCausalLM"])(is_deepseek_dsa, config)
 
     def model_config():
         return SimpleNamespace(hf_config=config, hf_text_config=config, kv_lora_rank=64)
 
     widened, kept = model_config(), model_config()
-    rows_with_indexer_keys(["DeepseekV32ForCausalLM"])(None, widened)
-    rows_with_indexer_keys(["DeepseekV3ForCausalLM"])(None, kept)
+    pool_rows_for_atom(["DeepseekV32ForCausalLM"])(None, widened)
+    pool_rows_for_atom(["DeepseekV3ForCausalLM"])(None, kept)
     assert (widened.kv_lora_rank, kept.kv_lora_rank) == (64 + config.index_head_dim, 64)
+
+
+def test_served_deepseek_v4_skips_sglang_v4_path_and_gets_packed_mla_rows():
+    """Changes 11 and 12 for a DeepSeek-V4 config ATOM serves: SGLang's V4 test says no,
+    and its pool becomes MLA rows as wide as the widest layer's packed page at page size 1:
+    the CSA layer's K = V (32), compressor and indexer rows (2 x 128: kv | gate, both
+    overlapped) and one entry of each (32 + 32). Unserved, SGLang's answers stay."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import AttentionArch, is_deepseek_v4
+
+    from atom.testing import tiny_config
+    from atom_sglang.patches import not_served_by_sglang, pool_rows_for_atom
+
+    arch = "DeepseekV4ForCausalLM"
+    config = tiny_config(arch)
+    assert is_deepseek_v4(config)
+    assert not not_served_by_sglang([arch])(is_deepseek_v4, config)
+    assert not_served_by_sglang(["DeepseekV3ForCausalLM"])(is_deepseek_v4, config)
+
+    def model_config():
+        return SimpleNamespace(
+            hf_config=config, hf_text_config=config, attention_arch=AttentionArch.MHA,
+            qk_rope_head_dim=16,
+        )  # fmt: skip
+
+    packed, kept = model_config(), model_config()
+    pool_rows_for_atom([arch])(None, packed)
+    pool_rows_for_atom(["DeepseekV3ForCausalLM"])(None, kept)
+    assert packed.attention_arch == AttentionArch.MLA
+    assert packed.kv_lora_rank + packed.qk_rope_head_dim == 32 + 2 * 128 + 32 + 32
+    assert kept.attention_arch == AttentionArch.MHA and not hasattr(kept, "kv_lora_rank")
 
 
 def gpt_oss_launch(checkpoints, backend: str):

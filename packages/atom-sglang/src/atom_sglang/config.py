@@ -31,12 +31,39 @@ class UnsupportedSglangFeature(NotImplementedError):
     """An SGLang setting ATOM's wrapper cannot honour (ATOM_DISABLE_SGLANG_PLUGIN=1)."""
 
 
+# Model types SGLang parses with a class of its own whose fields ATOM's model cannot read:
+# SGLang 0.5.21-0.5.23 parse DeepSeek-V4 checkpoints as a subclass of transformers'
+# DeepseekV3Config (`utils/hf_transformers/common.py`, `_DeepseekV4ConfigAlias`), which
+# keeps the release's names (`compress_ratios`, `num_hash_layers`) beside DeepSeek-V3's
+# defaults (e.g. `intermediate_size` 18432, which transformers' DeepSeek-V4 class takes as
+# the experts' size). ATOM's model (and HF's, the reference) reads transformers' own
+# class, which turns the release's names into `layer_types`, `mlp_layer_types`,
+# `compress_rates` and per-type rope parameters.
+TRANSFORMERS_CONFIG_MODEL_TYPES = ("deepseek_v4",)
+
+
+def transformers_config(config: Any) -> Any:
+    """`config`, or transformers' own class for its model type read from the checkpoint's
+    config.json (SGLang's object carries another class's defaults, so it cannot be
+    rebuilt from its fields)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TRANSFORMERS_CONFIG_MODEL_TYPES:
+        return config
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    own = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
+    if isinstance(config, own):
+        return config
+    return own.from_pretrained(config.name_or_path)
+
+
 def atom_model_config(config: Any) -> Any:
     """The text model's config (a multimodal checkpoint's `text_config`: ATOM runs text
     models) with the checkpoint's sizes where SGLang padded them (`CPU_PADDED_SIZES`);
     that config itself when nothing was padded. A copy, because SGLang's own code (its
     `LogitsProcessor`, MoE set-up) keeps reading the padded one."""
-    config = config.get_text_config()
+    config = transformers_config(config.get_text_config())
     true_sizes = {
         name: getattr(config, f"original_{name}")
         for name in CPU_PADDED_SIZES
