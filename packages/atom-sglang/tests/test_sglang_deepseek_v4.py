@@ -57,7 +57,7 @@ def test_rounds_reach_every_part():
     ]  # fmt: skip
     assert max(LONG) > CHUNK and max(LONG) >= 4 * TINY.index_topk * CSA_RATE
     assert max(LONG) > 2 * TINY.sliding_window and max(LONG) > 4 * HCA_RATE
-    assert PREFIX > TINY.sliding_window and PREFIX % CSA_RATE and PREFIX % HCA_RATE
+    assert TINY.sliding_window < PREFIX and PREFIX % CSA_RATE and PREFIX % HCA_RATE
 
 
 def test_greedy_tokens_equal_hf_with_chunks_and_a_prefix_hit(run, checkpoints):
