@@ -136,6 +136,36 @@ def test_the_config_alone_gives_each_layers_cache_shapes():
 
 
 @pytest.mark.parametrize(
+    "saved, released",
+    [
+        ("layers.1.attn_hc.base", "layers.1.hc_attn_base"),
+        ("layers.0.input_layernorm.weight", "layers.0.attn_norm.weight"),
+        ("layers.2.mlp.gate.e_score_correction_bias", "layers.2.ffn.gate.bias"),
+        ("layers.0.mlp.shared_experts.up_proj.weight", "layers.0.ffn.shared_experts.w3.weight"),
+        ("layers.0.mlp.experts.7.w2.weight", "layers.0.ffn.experts.7.w2.weight"),
+        ("layers.1.self_attn.kv_norm.weight", "layers.1.attn.norm.weight"),
+        ("layers.1.self_attn.sinks", "layers.1.attn.attn_sink"),
+        ("layers.1.self_attn.compressor.position_bias", "layers.1.attn.compressor.ape"),
+        (
+            "layers.1.self_attn.compressor.indexer.kv_proj.weight",
+            "layers.1.attn.indexer.compressor.wkv.weight",
+        ),
+        (
+            "layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight",
+            "layers.1.attn.indexer.weights_proj.weight",
+        ),
+        ("layers.1.attn.compressor.wkv.weight", "layers.1.attn.compressor.wkv.weight"),
+        ("hc_head.hc_fn", "hc_head.hc_fn"),
+    ],
+)
+def test_transformers_5_12_module_names_load_as_the_release_names(saved, released):
+    """transformers 5.12 (SGLang 0.5.21's pin) saves V4 under its module names."""
+    from atom.models.deepseek_v4 import released_name
+
+    assert released_name(saved) == released
+
+
+@pytest.mark.parametrize(
     "field, value, message",
     [
         (
