@@ -12,6 +12,8 @@ import copy
 import logging
 from typing import Any
 
+from atom.hosts.transformers_config import own_config_class
+
 logger = logging.getLogger("sglang.atom_sglang.config")
 
 # The sizes SGLang's CPU loader (`adjust_config_with_unaligned_cpu_tp`, 0.5.21) rounds up
@@ -31,31 +33,15 @@ class UnsupportedSglangFeature(NotImplementedError):
     """An SGLang setting ATOM's wrapper cannot honour (ATOM_DISABLE_SGLANG_PLUGIN=1)."""
 
 
-# Model types SGLang parses with a class of its own whose fields ATOM's model cannot read:
-# SGLang 0.5.21-0.5.23 parse DeepSeek-V4 checkpoints as a subclass of transformers'
-# DeepseekV3Config (`utils/hf_transformers/common.py`, `_DeepseekV4ConfigAlias`), which
-# keeps the release's names (`compress_ratios`, `num_hash_layers`) beside DeepSeek-V3's
-# defaults (e.g. `intermediate_size` 18432, which transformers' DeepSeek-V4 class takes as
-# the experts' size). ATOM's model (and HF's, the reference) reads transformers' own
-# class, which turns the release's names into `layer_types`, `mlp_layer_types`,
-# `compress_rates` and per-type rope parameters.
-TRANSFORMERS_CONFIG_MODEL_TYPES = ("deepseek_v4",)
-
-
 def transformers_config(config: Any) -> Any:
     """`config`, or transformers' own class for its model type read from the checkpoint's
-    config.json (SGLang's object carries another class's defaults, so it cannot be
-    rebuilt from its fields)."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in TRANSFORMERS_CONFIG_MODEL_TYPES:
-        return config
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    own = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
-    if isinstance(config, own):
-        return config
-    return own.from_pretrained(config.name_or_path)
+    config.json (`atom.hosts.transformers_config`). SGLang 0.5.21-0.5.23 parse DeepSeek-V4
+    as a subclass of transformers' DeepseekV3Config (`utils/hf_transformers/common.py`),
+    which carries V3's defaults beside the release's fields (e.g. `intermediate_size`
+    18432, which transformers' V4 class takes for the experts' size), so it cannot be
+    rebuilt from its fields as atom-vllm does with vLLM's class."""
+    own = own_config_class(config)
+    return config if own is None else own.from_pretrained(config.name_or_path)
 
 
 def atom_model_config(config: Any) -> Any:
