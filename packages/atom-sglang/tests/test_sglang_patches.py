@@ -275,3 +275,39 @@ def test_atom_models_capture_decode_batches_up_to_1024(checkpoints, runtime_cont
     assert decode.bs[: len(before.bs)] == before.bs  # SGLang's spacing, extended
     assert decode.bs[-3:] == [960, 992, 1024]
     assert not capture_decode_batches_up_to(1024)  # already there: nothing to change
+
+
+def test_served_deepseek_v4_gets_no_sglang_swa_pool_and_no_sglang_v4_defaults():
+    """Changes 13 and 14: for DeepSeek-V4 while ATOM serves it, SGLang's hybrid-SWA test
+    says no, its model-override declarations are left out and its V4 defaults step does
+    nothing; other architectures (GPT-OSS's sliding pool) keep SGLang's answers."""
+    from sglang.srt.arg_groups.overrides import collect_model_override_declarations
+    from sglang.srt.configs.model_config import is_hybrid_swa_model
+
+    from atom_sglang.patches import not_hybrid_swa, skip_own_defaults, without_own_declarations
+
+    v4, gpt_oss = "DeepseekV4ForCausalLM", "GptOssForCausalLM"
+    served = [v4, gpt_oss]
+    assert is_hybrid_swa_model([v4]) and is_hybrid_swa_model([gpt_oss])
+    assert not not_hybrid_swa(served)(is_hybrid_swa_model, [v4])
+    assert not_hybrid_swa(served)(is_hybrid_swa_model, [gpt_oss])
+    assert not_hybrid_swa([gpt_oss])(is_hybrid_swa_model, [v4])
+
+    asked = []
+
+    def sglang_declarations(architecture, *args):
+        asked.append(architecture)
+        return [("SGLang's", {"page_size": 256})]
+
+    assert without_own_declarations(served)(sglang_declarations, v4, None, None) == []
+    assert without_own_declarations(served)(sglang_declarations, gpt_oss, None, None)
+    assert without_own_declarations([gpt_oss])(sglang_declarations, v4, None, None)
+    assert asked == [gpt_oss, v4]
+    assert collect_model_override_declarations.__name__ == "collect_model_override_declarations"
+
+    def sglang_defaults(server_args, model_arch):
+        asked.append(model_arch)
+
+    skip_own_defaults(served)(sglang_defaults, None, v4)
+    skip_own_defaults([gpt_oss])(sglang_defaults, None, v4)
+    assert asked == [gpt_oss, v4, v4]
