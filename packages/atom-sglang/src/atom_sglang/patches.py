@@ -171,8 +171,9 @@ only per-layer, one-row-per-token pool is the MLA pool. SGLang's V4 branch of
 packed row at page size 1 (`atom.models.deepseek_v4.cache_layouts`; an upper bound for
 every page size, since a page holds at least one entry per compressor), so SGLang
 allocates and counts those bytes; ATOM's layer views its part of the row
-(`SglangCompressedAttention`). The model is not MLA to anything else: only SGLang's own
-MLA backends read the row's split, and ATOM's V4 layer refuses them. Checked on SGLang
+(`SglangCompressedAttention`). SGLang then treats the model as MLA wherever it asks
+`attention_arch` (the MLA pool, its MLA backends and MLA defaults); only its own MLA
+backends would read the row as latent + rope, and ATOM's V4 layer refuses them. Checked on SGLang
 0.5.21 and 0.5.23 (as change 10). Remove when: as change 10.
 
 13. No hybrid SWA pool for ATOM's DeepSeek-V4 (`not_hybrid_swa`, a HookRegistry AROUND
