@@ -74,5 +74,7 @@ def test_each_layer_is_atoms_impl_over_packed_mla_rows(run):
     assert "built for SGLang: 3 compressed attention layers, kv pool mla" in run.log
     assert "ATOM attention backend: MLA pool" in run.log
     # Per token at page size 1: every layer's K = V; CSA and HCA their compressor rows and
-    # one entry; CSA its indexer's too (fp32).
+    # one entry; CSA its indexer's too (fp32). The pool's rows are the widest layer's
+    # (CSA: 32 + 2 x 128 + 32 + 32 channels) in each of the 3 layers.
     assert "B per token (" in run.log and "B compressor entries" in run.log
+    assert f"SGLang's MLA pool rows hold {3 * 352 * 4} B per token" in run.log
