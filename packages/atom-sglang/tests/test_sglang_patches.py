@@ -81,20 +81,52 @@ def test_served_sparse_models_skip_sglang_dsa_path_and_widen_mla_rows():
     from sglang.srt.configs.model_config import is_deepseek_dsa
 
     from atom.testing import tiny_config
-    from atom_sglang.patches import not_sglang_dsa, rows_with_indexer_keys
+    from atom_sglang.patches import not_served_by_sglang, pool_rows_for_atom
 
     config = tiny_config("DeepseekV32ForCausalLM")
     assert is_deepseek_dsa(config)
-    assert not not_sglang_dsa(["DeepseekV32ForCausalLM"])(is_deepseek_dsa, config)
-    assert not_sglang_dsa(["GlmMoeDsaForCausalLM"])(is_deepseek_dsa, config)
+    assert not not_served_by_sglang(["DeepseekV32ForCausalLM"])(is_deepseek_dsa, config)
+    assert not_served_by_sglang(["GlmMoeDsaForCausalLM"])(is_deepseek_dsa, config)
 
     def model_config():
         return SimpleNamespace(hf_config=config, hf_text_config=config, kv_lora_rank=64)
 
     widened, kept = model_config(), model_config()
-    rows_with_indexer_keys(["DeepseekV32ForCausalLM"])(None, widened)
-    rows_with_indexer_keys(["DeepseekV3ForCausalLM"])(None, kept)
+    pool_rows_for_atom(["DeepseekV32ForCausalLM"])(None, widened)
+    pool_rows_for_atom(["DeepseekV3ForCausalLM"])(None, kept)
     assert (widened.kv_lora_rank, kept.kv_lora_rank) == (64 + config.index_head_dim, 64)
+
+
+def test_served_deepseek_v4_skips_sglang_v4_path_and_gets_packed_mla_rows():
+    """Changes 11 and 12 for a DeepSeek-V4 config ATOM serves: SGLang's V4 test says no,
+    and its pool becomes MLA rows as wide as the widest layer's packed page at page size 1:
+    the CSA layer's K = V (32), compressor and indexer rows (2 x 128: kv | gate, both
+    overlapped) and one entry of each (32 + 32). Unserved, SGLang's answers stay."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import AttentionArch, is_deepseek_v4
+
+    from atom.testing import tiny_config
+    from atom_sglang.patches import not_served_by_sglang, pool_rows_for_atom
+
+    arch = "DeepseekV4ForCausalLM"
+    config = tiny_config(arch)
+    assert is_deepseek_v4(config)
+    assert not not_served_by_sglang([arch])(is_deepseek_v4, config)
+    assert not_served_by_sglang(["DeepseekV3ForCausalLM"])(is_deepseek_v4, config)
+
+    def model_config():
+        return SimpleNamespace(
+            hf_config=config, hf_text_config=config, attention_arch=AttentionArch.MHA,
+            qk_rope_head_dim=16,
+        )  # fmt: skip
+
+    packed, kept = model_config(), model_config()
+    pool_rows_for_atom([arch])(None, packed)
+    pool_rows_for_atom(["DeepseekV3ForCausalLM"])(None, kept)
+    assert packed.attention_arch == AttentionArch.MLA
+    assert packed.kv_lora_rank + packed.qk_rope_head_dim == 32 + 2 * 128 + 32 + 32
+    assert kept.attention_arch == AttentionArch.MHA and not hasattr(kept, "kv_lora_rank")
 
 
 def gpt_oss_launch(checkpoints, backend: str):
@@ -243,3 +275,39 @@ def test_atom_models_capture_decode_batches_up_to_1024(checkpoints, runtime_cont
     assert decode.bs[: len(before.bs)] == before.bs  # SGLang's spacing, extended
     assert decode.bs[-3:] == [960, 992, 1024]
     assert not capture_decode_batches_up_to(1024)  # already there: nothing to change
+
+
+def test_served_deepseek_v4_gets_no_sglang_swa_pool_and_no_sglang_v4_defaults():
+    """Changes 13 and 14: for DeepSeek-V4 while ATOM serves it, SGLang's hybrid-SWA test
+    says no, its model-override declarations are left out and its V4 defaults step does
+    nothing; other architectures (GPT-OSS's sliding pool) keep SGLang's answers."""
+    from sglang.srt.arg_groups.overrides import collect_model_override_declarations
+    from sglang.srt.configs.model_config import is_hybrid_swa_model
+
+    from atom_sglang.patches import not_hybrid_swa, skip_own_defaults, without_own_declarations
+
+    v4, gpt_oss = "DeepseekV4ForCausalLM", "GptOssForCausalLM"
+    served = [v4, gpt_oss]
+    assert is_hybrid_swa_model([v4]) and is_hybrid_swa_model([gpt_oss])
+    assert not not_hybrid_swa(served)(is_hybrid_swa_model, [v4])
+    assert not_hybrid_swa(served)(is_hybrid_swa_model, [gpt_oss])
+    assert not_hybrid_swa([gpt_oss])(is_hybrid_swa_model, [v4])
+
+    asked = []
+
+    def sglang_declarations(architecture, *args):
+        asked.append(architecture)
+        return [("SGLang's", {"page_size": 256})]
+
+    assert without_own_declarations(served)(sglang_declarations, v4, None, None) == []
+    assert without_own_declarations(served)(sglang_declarations, gpt_oss, None, None)
+    assert without_own_declarations([gpt_oss])(sglang_declarations, v4, None, None)
+    assert asked == [gpt_oss, v4]
+    assert collect_model_override_declarations.__name__ == "collect_model_override_declarations"
+
+    def sglang_defaults(server_args, model_arch):
+        asked.append(model_arch)
+
+    skip_own_defaults(served)(sglang_defaults, None, v4)
+    skip_own_defaults([gpt_oss])(sglang_defaults, None, v4)
+    assert asked == [gpt_oss, v4, v4]

@@ -23,7 +23,14 @@ from atom_sglang import model as model_module
 from atom_sglang.adapters import adapter_for
 from atom_sglang.attention_layer import layer_index
 from atom_sglang.backend import atom_sliding_window, create_atom_backend
-from atom_sglang.patches import IS_DEEPSEEK_DSA, SUPPORT_TRITON
+from atom_sglang.patches import (
+    IS_DEEPSEEK_DSA,
+    IS_DEEPSEEK_V4,
+    IS_HYBRID_SWA,
+    MODEL_DECLARATIONS,
+    SUPPORT_TRITON,
+    V4_DEFAULTS,
+)
 
 REFUSAL = (
     r"SGLang 0\.5\.17 is outside the range atom-sglang was tested on "
@@ -58,6 +65,10 @@ def test_register_is_idempotent(fresh_plugin, monkeypatch):
     atom_sglang.register()
     assert calls == [] and {target: len(h) for target, h in HookRegistry._hooks.items()} == hooks
     assert hooks[IS_DEEPSEEK_DSA] == 1
+    # DeepSeek-V4 (served): SGLang's own V4 path off, once (changes 11, 13, 14).
+    assert [hooks[t] for t in (IS_DEEPSEEK_V4, IS_HYBRID_SWA, MODEL_DECLARATIONS, V4_DEFAULTS)] == [
+        1, 1, 1, 1,
+    ]  # fmt: skip
 
 
 def test_disable_env_leaves_sglang_untouched(fresh_plugin, monkeypatch, caplog):
@@ -224,7 +235,9 @@ def test_every_sglang_capable_registry_entry_gets_the_adapter_of_its_attention_k
     assert sglang_entries
     for entry in sglang_entries:
         adapter = adapter_for(entry)
-        assert (adapter.attention, adapter.kv_pool) == (entry.attention, entry.attention.lower())
+        # DeepSeek-V4's packed rows live in SGLang's MLA pool (atom_sglang.patches, 12).
+        pool = "mla" if entry.attention == "compressed" else entry.attention.lower()
+        assert (adapter.attention, adapter.kv_pool) == (entry.attention, pool)
     assert set(atom_sglang.served_architectures()) <= {n for e in sglang_entries for n in e.names}
 
 

@@ -23,7 +23,7 @@ class ModelEntry:
     model_module: str  # its module under atom.models, e.g. "llama"
     class_name: str
     family: str
-    attention: str = "MHA"  # "MHA" (incl. GQA/MQA) or "MLA"
+    attention: str = "MHA"  # "MHA" (incl. GQA/MQA), "MLA" or "compressed" (DeepSeek-V4)
     moe: bool = False
     quant: tuple[str, ...] | None = None  # None: QUANT_FORMATS, or FP8_FORMATS for MoE
     hosts: tuple[str, ...] = ALL_HOSTS
@@ -179,15 +179,16 @@ _ENTRIES = (
         hybrid=True,
     ),
     # Sliding-window, compressed sparse (CSA) and heavily compressed (HCA) attention,
-    # hyper-connections and hash-routed MoE: the native engine and vLLM, unquantized.
+    # hyper-connections and hash-routed MoE: every host, unquantized.
     ModelEntry(
         "DeepseekV4ForCausalLM",
         "deepseek_v4",
         "DeepseekV4ForCausalLM",
         "DeepSeek-V4",
+        attention="compressed",
         moe=True,
         quant=(),
-        hosts=("atom", "vllm"),  # SGLang: not yet
+        hosts=("atom", "vllm", "sglang"),
     ),
     ModelEntry(
         "MiniMaxM2ForCausalLM",

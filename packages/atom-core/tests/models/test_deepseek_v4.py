@@ -119,6 +119,52 @@ def test_engine_keeps_the_full_layout_and_says_so(checkpoint, caplog):
     assert "cache shapes differ" in line
 
 
+def test_the_config_alone_gives_each_layers_cache_shapes():
+    """What a host sizes its pool rows from before the model exists (SGLang's) is what
+    each built layer's impl then binds, at every page size."""
+    from atom.models.deepseek_v4 import DeepseekV4ForCausalLM, cache_layouts
+
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(TINY)
+    impls = [layer.attn.impl for layer in model.model.layers]
+    layouts = cache_layouts(TINY)
+    assert len(layouts) == len(impls) == TINY.num_hidden_layers
+    for layout, impl in zip(layouts, impls):
+        assert layout.kv_cache_labels() == impl.kv_cache_labels()
+        for block_size in (1, 4, 16, 256):
+            assert layout.kv_cache_shapes(3, block_size) == impl.kv_cache_shapes(3, block_size)
+
+
+@pytest.mark.parametrize(
+    "saved, released",
+    [
+        ("layers.1.attn_hc.base", "layers.1.hc_attn_base"),
+        ("layers.0.input_layernorm.weight", "layers.0.attn_norm.weight"),
+        ("layers.2.mlp.gate.e_score_correction_bias", "layers.2.ffn.gate.bias"),
+        ("layers.0.mlp.shared_experts.up_proj.weight", "layers.0.ffn.shared_experts.w3.weight"),
+        ("layers.0.mlp.experts.7.w2.weight", "layers.0.ffn.experts.7.w2.weight"),
+        ("layers.1.self_attn.kv_norm.weight", "layers.1.attn.norm.weight"),
+        ("layers.1.self_attn.sinks", "layers.1.attn.attn_sink"),
+        ("layers.1.self_attn.compressor.position_bias", "layers.1.attn.compressor.ape"),
+        (
+            "layers.1.self_attn.compressor.indexer.kv_proj.weight",
+            "layers.1.attn.indexer.compressor.wkv.weight",
+        ),
+        (
+            "layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight",
+            "layers.1.attn.indexer.weights_proj.weight",
+        ),
+        ("layers.1.attn.compressor.wkv.weight", "layers.1.attn.compressor.wkv.weight"),
+        ("hc_head.hc_fn", "hc_head.hc_fn"),
+    ],
+)
+def test_transformers_5_12_module_names_load_as_the_release_names(saved, released):
+    """transformers 5.12 (SGLang 0.5.21's pin) saves V4 under its module names."""
+    from atom.models.deepseek_v4 import released_name
+
+    assert released_name(saved) == released
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [

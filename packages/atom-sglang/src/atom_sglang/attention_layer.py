@@ -21,6 +21,12 @@ over its layer's buffers in the pool, reading only that metadata:
   (the rows are that wide: `atom_sglang.patches`, change 10), and the impl gets the
   row's column views each step.
 
+* DeepSeek-V4 (spec.kind "compressed"): `forward(q, kv, compressor_rows, indexer)`,
+  ATOM's `CompressedAttentionImpl` over the layer's rows of SGLang's MLA pool, each row
+  wide enough for one page of every tensor the impl keeps (`atom.hosts.packed_pages`;
+  the pool is that wide: `atom_sglang.patches`, change 12); the impl gets its views of
+  the pages each step.
+
 Under another backend (SGLang's own) the metadata is not ATOM's to build: the wrapper
 puts the step's `HostAttention` into ATOM's forward context instead (SGLang's backend with
 the step's batch bound in, `atom_sglang.model`), and the impl hands it its
@@ -44,7 +50,13 @@ from atom.forward_context import (
     HostAttention,
     get_forward_context,
 )
+from atom.hosts.packed_pages import unpack_pages
 from atom.layers.attention_spec import AttentionSpec, ImplFactory
+from atom.layers.compressed_attention_impl import (
+    CompressedAttentionImpl,
+    CompressedAttentionSpec,
+    IndexerInputs,
+)
 from atom.layers.mla_impl import NativeMLAImpl
 from atom.layers.paged_attention_impl import write_kv_and_attend
 from atom_sglang.adapters import SglangAdapter
@@ -241,7 +253,50 @@ class SglangMLAAttention(nn.Module, PoolBinding):
         return caches
 
 
-LAYER_FOR_ATTENTION = {"MHA": SglangAttention, "MLA": SglangMLAAttention}
+class SglangCompressedAttention(nn.Module, PoolBinding):
+    """ATOM's DeepSeek-V4 attention in SGLang: `CompressedAttentionImpl` over the layer's
+    packed rows of SGLang's MLA pool, on ATOM's attention backend only (SGLang's own
+    backends know nothing of compressed entries)."""
+
+    def __init__(self, spec: CompressedAttentionSpec):
+        nn.Module.__init__(self)
+        PoolBinding.__init__(self, spec.layer_name)
+        self.spec = spec
+        # For SGLang's layer numbering and the wrapper's pool binding; never called.
+        self.attn = RadixAttention(
+            spec.num_heads,
+            spec.head_dim,
+            spec.scale,
+            num_kv_heads=1,
+            layer_id=layer_index(spec.layer_name),
+            prefix=spec.layer_name,
+        )
+        self.impl = CompressedAttentionImpl(spec)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        compressor_rows: torch.Tensor | None = None,
+        indexer: IndexerInputs | None = None,
+    ) -> torch.Tensor:
+        context = get_forward_context()
+        if context.host_attention is not None:
+            raise NotImplementedError(
+                f"{self.layer_name}: ATOM's DeepSeek-V4 attention in SGLang runs on ATOM's "
+                "attention backend (attention_backend='atom')"
+            )
+        step_metadata(context, self.kv_group)  # says so when the step has none
+        rows = mla_cache(self.pool(), self.attn.layer_id, self.page_size)
+        self.impl.bind_kv_cache(unpack_pages(rows, self.impl), self.kv_group)
+        return self.impl(q, kv, compressor_rows, indexer)
+
+
+LAYER_FOR_ATTENTION = {
+    "MHA": SglangAttention,
+    "MLA": SglangMLAAttention,
+    "compressed": SglangCompressedAttention,
+}
 
 
 def sglang_attention_factory(adapter: SglangAdapter) -> ImplFactory:

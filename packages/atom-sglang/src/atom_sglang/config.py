@@ -12,6 +12,8 @@ import copy
 import logging
 from typing import Any
 
+from atom.hosts.transformers_config import own_config_class
+
 logger = logging.getLogger("sglang.atom_sglang.config")
 
 # The sizes SGLang's CPU loader (`adjust_config_with_unaligned_cpu_tp`, 0.5.21) rounds up
@@ -31,12 +33,23 @@ class UnsupportedSglangFeature(NotImplementedError):
     """An SGLang setting ATOM's wrapper cannot honour (ATOM_DISABLE_SGLANG_PLUGIN=1)."""
 
 
+def transformers_config(config: Any) -> Any:
+    """`config`, or transformers' own class for its model type read from the checkpoint's
+    config.json (`atom.hosts.transformers_config`). SGLang 0.5.21-0.5.23 parse DeepSeek-V4
+    as a subclass of transformers' DeepseekV3Config (`utils/hf_transformers/common.py`),
+    which carries V3's defaults beside the release's fields (e.g. `intermediate_size`
+    18432, which transformers' V4 class takes for the experts' size), so it cannot be
+    rebuilt from its fields as atom-vllm does with vLLM's class."""
+    own = own_config_class(config)
+    return config if own is None else own.from_pretrained(config.name_or_path)
+
+
 def atom_model_config(config: Any) -> Any:
     """The text model's config (a multimodal checkpoint's `text_config`: ATOM runs text
     models) with the checkpoint's sizes where SGLang padded them (`CPU_PADDED_SIZES`);
     that config itself when nothing was padded. A copy, because SGLang's own code (its
     `LogitsProcessor`, MoE set-up) keeps reading the padded one."""
-    config = config.get_text_config()
+    config = transformers_config(config.get_text_config())
     true_sizes = {
         name: getattr(config, f"original_{name}")
         for name in CPU_PADDED_SIZES

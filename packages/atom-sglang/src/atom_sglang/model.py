@@ -38,7 +38,12 @@ from torch import nn
 
 from atom.cuda_graphs import graph_blockers
 from atom.forward_context import HostAttention, set_forward_context
-from atom.hosts.cache_bytes import bytes_per_token_line, mla_bytes_per_token
+from atom.hosts.cache_bytes import (
+    bytes_per_token_line,
+    mla_bytes_per_token,
+    packed_bytes_per_token,
+)
+from atom.hosts.packed_pages import packed_row_width
 from atom.hosts.plugin import architecture_subclass
 from atom.layers.attention import attention_backend
 from atom.layers.gated_delta_net import state_backend
@@ -49,6 +54,7 @@ from atom_sglang.adapters import SglangAdapter, adapter_for
 from atom_sglang.attention_layer import (
     LAYER_FOR_ATTENTION,
     SglangAttention,
+    SglangCompressedAttention,
     SglangMLAAttention,
     sglang_attention_factory,
 )
@@ -139,9 +145,22 @@ class AtomForCausalLM(nn.Module):
         )
         mla = [m.impl for m in atom_model.modules() if isinstance(m, SglangMLAAttention)]
         parts = mla_bytes_per_token(mla, torch.get_default_dtype())
-        if len(parts) > 1:  # sparse attention: the indexer keys share the latents' rows
+        compressed = [
+            m.impl for m in atom_model.modules() if isinstance(m, SglangCompressedAttention)
+        ]
+        pool_row = ""
+        if compressed:  # DeepSeek-V4: its tensors packed into rows sized at page size 1
+            parts = packed_bytes_per_token(compressed, 1, torch.get_default_dtype())
+            # One pool width for every layer: the widest layer's (atom_sglang.patches, 12).
+            width = max(packed_row_width(impl, 1) for impl in compressed)
+            row_bytes = width * torch.get_default_dtype().itemsize * len(compressed)
+            pool_row = f"; SGLang's MLA pool rows hold {row_bytes} B per token"
+        if len(parts) > 1:  # several tensors share each token's pool row
             logger.info(
-                "ATOM %s KV cache: %s", self.entry.architecture, bytes_per_token_line(parts)
+                "ATOM %s KV cache: %s%s",
+                self.entry.architecture,
+                bytes_per_token_line(parts),
+                pool_row,
             )
 
     @property

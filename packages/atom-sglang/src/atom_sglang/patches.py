@@ -1,6 +1,7 @@
 """Every change atom-sglang makes to SGLang's behaviour, every write into SGLang's state and
 every private SGLang name it reads; each says why, what, where it was checked, and when it
-can go (changes 1-4, writes and reads 5-8, changes 9-10 for DeepSeek Sparse Attention). Changes 2 and 3 go through SGLang's own
+can go (changes 1-4, writes and reads 5-8, changes 9-10 for DeepSeek Sparse Attention,
+11-14 for DeepSeek-V4). Changes 2 and 3 go through SGLang's own
 API for changing the resolved configuration after it was published
 (`runtime_context.get_context().override`), with SGLang's own `with_phase` copy of the
 CUDA-graph config; change 4 through its API for wrapping a step of argument resolution
@@ -145,6 +146,63 @@ layer's selection leave the key columns unused (one pool width for every layer).
 Checked on SGLang 0.5.21 and 0.5.23 (`_build_mla_kv_pool` and the cell size of
 `pool_configurator.py` read only `kv_lora_rank` and `qk_rope_head_dim` for a non-DSA
 MLA model). Remove when: SGLang's MLA pool takes a per-token width from the model.
+
+11. SGLang's DeepSeek-V4 path off for ATOM's DeepSeek-V4 (`not_sglang_deepseek_v4`, a
+HookRegistry AROUND hook on `sglang.srt.configs.model_config.is_deepseek_v4`).
+Why: for a DeepSeek-V4 architecture SGLang builds its own compressed-attention machinery
+(`DeepSeekV4TokenToKVPool`, its compress-state pool, the hybrid SWA pool sizing, its fp4
+expert loading, the scheduler's V4 branches), which only SGLang's V4 kernels read. ATOM's
+layers keep their pages in SGLang's plain MLA pool (change 12). What: `is_deepseek_v4`
+answers False for a config whose first architecture ATOM serves, as change 9 does for
+`is_deepseek_dsa`; the modules that imported it by name are rebound by the HookRegistry.
+Checked on SGLang 0.5.21 and 0.5.23 (their CPU engines end to end,
+`test_sglang_deepseek_v4.py`; `pool_configurator.py`, `kv_cache_configurator.py`,
+`scheduler.py`, `model_loader/loader.py`, `dsa/utils.py` ask this function). Remove
+when: SGLang lets a model declare its own KV layout.
+
+12. DeepSeek-V4's packed rows in SGLang's MLA pool (`pool_rows_for_atom`, the AFTER hook
+of change 10 on `ModelConfig._derive_model_shapes`, a private method).
+Why: ATOM's DeepSeek-V4 layer keeps, per page, tensors of different shapes (K = V rows,
+compressor rows, compressed entries); a host that holds one row per token holds them as
+one row wide enough for a page of all of them (`atom.hosts.packed_pages`), and SGLang's
+only per-layer, one-row-per-token pool is the MLA pool. SGLang's V4 branch of
+`_derive_model_shapes` says MHA. What: for a DeepSeek-V4 config ATOM serves,
+`attention_arch` becomes MLA and `kv_lora_rank + qk_rope_head_dim` the widest layer's
+packed row at page size 1 (`atom.models.deepseek_v4.cache_layouts`; an upper bound for
+every page size, since a page holds at least one entry per compressor), so SGLang
+allocates and counts those bytes; ATOM's layer views its part of the row
+(`SglangCompressedAttention`). SGLang then treats the model as MLA wherever it asks
+`attention_arch` (the MLA pool, its MLA backends and MLA defaults); only its own MLA
+backends would read the row as latent + rope, and ATOM's V4 layer refuses them. Checked on SGLang
+0.5.21 and 0.5.23 (as change 10). Remove when: as change 10.
+
+13. No hybrid SWA pool for ATOM's DeepSeek-V4 (`not_hybrid_swa`, a HookRegistry AROUND
+hook on `sglang.srt.configs.model_config.is_hybrid_swa_model`).
+Why: SGLang lists DeepSeek-V4 among its hybrid sliding-window architectures by name, so
+its pool configurator would split the cache into a full and a sliding pool (of MHA shape)
+for its own V4 layers. ATOM's V4 keeps every layer's pages in one MLA pool, the full
+layout (docs/architecture.md, "DeepSeek-V4"); ATOM's backend has no hybrid SWA MLA pool.
+What: the function answers False for DeepSeek-V4 while ATOM serves it; GPT-OSS and
+every other hybrid model keep SGLang's answer (ATOM runs GPT-OSS on SGLang's SWA pool).
+Checked on SGLang 0.5.21 and 0.5.23 (`ModelConfig._derive_hybrid_model` is its only
+caller). Remove when: changes 11 and 12 go.
+
+14. SGLang's DeepSeek-V4 server defaults off for ATOM's DeepSeek-V4
+(`without_own_declarations` around `sglang.srt.arg_groups.overrides.
+collect_model_override_declarations`, `skip_own_defaults` around
+`sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults`, HookRegistry AROUND
+hooks). Why: argument resolution gives a DeepSeek-V4 checkpoint SGLang's "dsv4" attention
+backend and page size 256 (its model-override provider), a sliding pool ratio of 0.1, and
+an fp8 KV cache, asserting fp8 or bf16 (its V4 defaults): all for SGLang's own V4 kernels.
+ATOM's model runs on ATOM's backend (`attention_backend="atom"`, which the user names,
+as for the sparse models) over a plain pool of the model's dtype (an fp8 one is refused:
+its rows hold compressor projections). What: for DeepSeek-V4 while ATOM serves it, the
+override provider's declarations are left out and the V4 defaults step does nothing;
+SGLang's V4 validations (context parallelism, V4.1 features) still run, and so do other
+architectures' declarations and steps. Checked on SGLang 0.5.21 and 0.5.23 (the model
+step, `arg_groups/model_hook.py`, calls both; the kv-cache pass runs only from the
+defaults step). Remove when: SGLang lets a plugin's model opt out of an architecture's
+server defaults.
 """
 
 from __future__ import annotations
@@ -163,7 +221,12 @@ MODEL_STEP = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments
 SINKS_AND_WINDOW_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
 SINKS_AND_WINDOW_STAND_IN = "triton"
 IS_DEEPSEEK_DSA = "sglang.srt.configs.model_config.is_deepseek_dsa"  # change 9
-MODEL_SHAPES = "sglang.srt.configs.model_config.ModelConfig._derive_model_shapes"  # change 10
+MODEL_SHAPES = "sglang.srt.configs.model_config.ModelConfig._derive_model_shapes"  # 10, 12
+IS_DEEPSEEK_V4 = "sglang.srt.configs.model_config.is_deepseek_v4"  # change 11
+IS_HYBRID_SWA = "sglang.srt.configs.model_config.is_hybrid_swa_model"  # change 13
+MODEL_DECLARATIONS = "sglang.srt.arg_groups.overrides.collect_model_override_declarations"
+V4_DEFAULTS = "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults"  # 14
+DEEPSEEK_V4 = "DeepseekV4ForCausalLM"
 
 
 def first_architecture(config: Any) -> str | None:
@@ -174,14 +237,15 @@ def first_architecture(config: Any) -> str | None:
     return names[0] if names else None
 
 
-def not_sglang_dsa(served: Iterable[str]) -> Callable[..., bool]:
-    """Change 9: `is_deepseek_dsa` answering False for the architectures ATOM `served`."""
+def not_served_by_sglang(served: Iterable[str]) -> Callable[..., bool]:
+    """Changes 9 and 11: SGLang's `is_deepseek_dsa` / `is_deepseek_v4` answering False
+    for the architectures ATOM `served`."""
     served = frozenset(served)
 
-    def is_deepseek_dsa(original, config) -> bool:
+    def is_sglangs(original, config) -> bool:
         return first_architecture(config) not in served and original(config)
 
-    return is_deepseek_dsa
+    return is_sglangs
 
 
 def indexer_key_width(config: Any) -> int:
@@ -191,14 +255,67 @@ def indexer_key_width(config: Any) -> int:
     return getattr(config, "index_head_dim", 0) or 0
 
 
-def rows_with_indexer_keys(served: Iterable[str]) -> Callable[..., None]:
-    """Change 10: widens SGLang's MLA row by the indexer keys of an ATOM-served model."""
+def not_hybrid_swa(served: Iterable[str]) -> Callable[..., bool]:
+    """Change 13: `is_hybrid_swa_model` answering False for ATOM's DeepSeek-V4."""
+    atom_v4 = DEEPSEEK_V4 in frozenset(served)
+
+    def is_hybrid_swa_model(original, architectures, *args, **kwargs) -> bool:
+        if atom_v4 and architectures and architectures[0] == DEEPSEEK_V4:
+            return False
+        return original(architectures, *args, **kwargs)
+
+    return is_hybrid_swa_model
+
+
+def without_own_declarations(served: Iterable[str]) -> Callable[..., list]:
+    """Change 14: no model-override declarations for ATOM's DeepSeek-V4."""
+    atom_v4 = DEEPSEEK_V4 in frozenset(served)
+
+    def collect(original, architecture, *args, **kwargs) -> list:
+        if atom_v4 and architecture == DEEPSEEK_V4:
+            return []
+        return original(architecture, *args, **kwargs)
+
+    return collect
+
+
+def skip_own_defaults(served: Iterable[str]) -> Callable[..., None]:
+    """Change 14: SGLang's DeepSeek-V4 defaults step doing nothing for ATOM's model."""
+    atom_v4 = DEEPSEEK_V4 in frozenset(served)
+
+    def apply_defaults(original, server_args, model_arch, *args, **kwargs) -> None:
+        if atom_v4 and model_arch == DEEPSEEK_V4:
+            return None
+        return original(server_args, model_arch, *args, **kwargs)
+
+    return apply_defaults
+
+
+def packed_row_width(config: Any) -> int:
+    """Change 12: channels per token of DeepSeek-V4's widest layer, packed at page size 1."""
+    from atom.hosts.packed_pages import packed_row_width as width_at
+    from atom.models.deepseek_v4 import cache_layouts
+    from atom_sglang.config import transformers_config
+
+    layouts = cache_layouts(transformers_config(config))
+    return max(width_at(layout, 1) for layout in layouts)
+
+
+def pool_rows_for_atom(served: Iterable[str]) -> Callable[..., None]:
+    """Changes 10 and 12: SGLang's MLA rows as wide as an ATOM-served model keeps them."""
+    from sglang.srt.configs.model_config import AttentionArch
+
     served = frozenset(served)
 
     def after_model_shapes(_result, model_config) -> None:
+        architecture = first_architecture(model_config.hf_config)
+        if architecture not in served:
+            return
         text = model_config.hf_text_config
-        width = indexer_key_width(text)
-        if width and first_architecture(model_config.hf_config) in served:
+        if architecture == DEEPSEEK_V4:
+            model_config.attention_arch = AttentionArch.MLA
+            model_config.kv_lora_rank = packed_row_width(text) - model_config.qk_rope_head_dim
+        elif width := indexer_key_width(text):
             model_config.kv_lora_rank = text.kv_lora_rank + width
 
     return after_model_shapes
@@ -226,9 +343,18 @@ def apply_patches(served: Iterable[str]) -> list[str]:
         HookRegistry.register(SUPPORT_TRITON, _support_triton_on_cpu, HookType.AROUND)
         patched.append(SUPPORT_TRITON)
     if served:
-        HookRegistry.register(IS_DEEPSEEK_DSA, not_sglang_dsa(served), HookType.AROUND)
-        HookRegistry.register(MODEL_SHAPES, rows_with_indexer_keys(served), HookType.AFTER)
-        patched += [IS_DEEPSEEK_DSA, MODEL_SHAPES]
+        for target in (IS_DEEPSEEK_DSA, IS_DEEPSEEK_V4):
+            HookRegistry.register(target, not_served_by_sglang(served), HookType.AROUND)
+        HookRegistry.register(MODEL_SHAPES, pool_rows_for_atom(served), HookType.AFTER)
+        patched += [IS_DEEPSEEK_DSA, IS_DEEPSEEK_V4, MODEL_SHAPES]
+    if DEEPSEEK_V4 in served:
+        for target, hook in (
+            (IS_HYBRID_SWA, not_hybrid_swa),
+            (MODEL_DECLARATIONS, without_own_declarations),
+            (V4_DEFAULTS, skip_own_defaults),
+        ):
+            HookRegistry.register(target, hook(served), HookType.AROUND)
+            patched.append(target)
     return patched
 
 

@@ -43,7 +43,7 @@ SUPPORTED = HostRange("vLLM", "0.32", "0.33")
 logger = logging.getLogger("vllm.atom_vllm")
 
 # Attention kinds this plugin has a vLLM backend for (atom.registry ModelEntry.attention).
-ATTENTION_KINDS = ("MHA", "MLA")
+ATTENTION_KINDS = ("MHA", "MLA", "compressed")
 
 _registered: list[str] | None = None
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from atom.hosts.transformers_config import own_config_class
 from atom.layers.quantization import QuantizationConfig, get_quant_config
 from atom.registry import ModelEntry, get_entry
 from atom_vllm.backend import FP8_CACHE_DTYPES, PLAIN_CACHE_DTYPES
@@ -37,11 +38,6 @@ _ATOM_QUANT_METHODS = {
 }
 # vLLM renames these methods inside the hf_config it hands over: the checkpoint's names.
 _CHECKPOINT_METHOD = {"gpt_oss_mxfp4": "mxfp4"}
-
-
-# Model types vLLM parses with a config class of its own that ATOM's model cannot read
-# (`transformers_config`).
-_TRANSFORMERS_CONFIG_MODEL_TYPES = ("deepseek_v4",)
 
 
 class UnsupportedVllmFeature(NotImplementedError):
@@ -130,16 +126,10 @@ def transformers_config(hf_config: Any) -> Any:
     `compress_rates` and per-type `rope_parameters` ATOM's model reads (and HF's model,
     the reference, reads). vLLM has registered its class with transformers' AutoConfig
     for the model type, so transformers' class is taken from its own name table
-    (patches.py, read 8).
+    (`atom.hosts.transformers_config`; patches.py, read 8).
     """
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in _TRANSFORMERS_CONFIG_MODEL_TYPES:
-        return hf_config
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    own = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
-    if isinstance(hf_config, own):
+    own = own_config_class(hf_config)
+    if own is None:
         return hf_config
     return own(**hf_config.to_dict())
 

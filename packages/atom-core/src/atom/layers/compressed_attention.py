@@ -27,9 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.layers.attention import create_attention_impl
-from atom.layers.compressed_attention_impl import CompressedAttentionSpec, IndexerInputs
+from atom.layers.compressed_attention_impl import (
+    CompressedAttentionSpec,
+    CompressedCacheLayout,
+    CompressorCache,
+    IndexerInputs,
+)
 from atom.layers.hyper_connection import unweighted_rms_norm
-from atom.layers.kv_compressor import KVCompressor
+from atom.layers.kv_compressor import KVCompressor, projection_width
 from atom.layers.linear import ReplicatedLinear
 from atom.layers.norm import RMSNorm
 from atom.layers.rotary import TrailingRotaryEmbedding
@@ -68,6 +73,23 @@ class GroupedLinear(nn.Module):
         return torch.einsum("tgk,gnk->tgn", x, blocks).flatten(1)
 
 
+# CSA's indexer compresses its keys over the same overlapping windows as its layer.
+INDEXER_OVERLAP = True
+
+
+def cache_layout(shape: CompressedAttentionShape) -> CompressedCacheLayout:
+    """The cache tensors of a layer of `shape` (its impl's `kv_cache_shapes`), known from
+    the config before any layer is built: a host sizes its pool rows from it."""
+    compressors = []
+    if shape.compress_rate:
+        width = projection_width(shape.head_dim, shape.overlap)
+        compressors.append(CompressorCache(shape.compress_rate, 2 * width, shape.head_dim))
+    if shape.index_n_heads:
+        width = projection_width(shape.index_head_dim, INDEXER_OVERLAP)
+        compressors.append(CompressorCache(shape.compress_rate, 2 * width, shape.index_head_dim))
+    return CompressedCacheLayout(shape.head_dim, tuple(compressors))
+
+
 class LightningIndexerV4(nn.Module):
     """CSA's indexer: its compressor's rows, and the queries and per-head weights of a
     step (scores over the entries are the impl's, atom.kernels.compressed_attention)."""
@@ -86,7 +108,7 @@ class LightningIndexerV4(nn.Module):
         )
         self.weight_scale = (self.num_heads * self.head_dim) ** -0.5
         self.compressor = KVCompressor(
-            shape.hidden_size, self.head_dim, shape.compress_rate, True, rotary,
+            shape.hidden_size, self.head_dim, shape.compress_rate, INDEXER_OVERLAP, rotary,
             shape.norm_eps, f"{prefix}.compressor",
         )  # fmt: skip
         self.__dict__["rotary"] = rotary

@@ -61,6 +61,39 @@ class CompressedAttentionSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class CompressorCache:
+    """What one compressor keeps: each token's kv | gate row (`row_width`) and one entry
+    of `head_dim` per `rate` tokens."""
+
+    rate: int
+    row_width: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class CompressedCacheLayout:
+    """A layer's cache tensors from its sizes alone, so that a host can size its pool
+    before any layer exists (atom.hosts.packed_pages takes it as the impl): the K = V
+    rows, then per compressor (the layer's, then its indexer's) rows and entries."""
+
+    head_dim: int
+    compressors: tuple[CompressorCache, ...] = ()
+
+    def kv_cache_labels(self) -> list[str]:
+        labels = ["K=V"]
+        for name in ("compressor", "indexer")[: len(self.compressors)]:
+            labels += [f"{name} rows", f"{name} entries"]
+        return labels
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        shapes = [(num_blocks, block_size, self.head_dim)]
+        for c in self.compressors:
+            shapes.append((num_blocks, block_size, c.row_width))
+            shapes.append((num_blocks, entries_per_page(c.rate, block_size), c.head_dim))
+        return shapes
+
+
+@dataclass(frozen=True)
 class IndexerInputs:
     """One step's indexer queries [T, Hi, Di] (rotated) and weights [T, Hi] (fp32, the
     scales folded in), and each token's indexer-compressor row."""
@@ -92,30 +125,19 @@ class CompressedAttentionImpl(nn.Module):
         self.caches: list[torch.Tensor] = []
         self.kv_group = 0
 
-    def _parts(self) -> list[tuple[str, KVCompressor | None]]:
-        parts = [("K=V", None)]
-        for label, compressor in (
-            ("compressor", self.compressor),
-            ("indexer", self.indexer_compressor),
-        ):
-            if compressor is not None:
-                parts += [(f"{label} rows", compressor), (f"{label} entries", compressor)]
-        return parts
+    @property
+    def layout(self) -> CompressedCacheLayout:
+        compressors = (self.compressor, self.indexer_compressor)
+        return CompressedCacheLayout(
+            self.spec.head_dim,
+            tuple(CompressorCache(c.rate, c.row_width, c.head_dim) for c in compressors if c),
+        )
 
     def kv_cache_labels(self) -> list[str]:
-        return [label for label, _ in self._parts()]
+        return self.layout.kv_cache_labels()
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
-        shapes = []
-        for label, compressor in self._parts():
-            if compressor is None:
-                shapes.append((num_blocks, block_size, self.spec.head_dim))
-            elif label.endswith("rows"):
-                shapes.append((num_blocks, block_size, compressor.row_width))
-            else:
-                per_page = entries_per_page(compressor.rate, block_size)
-                shapes.append((num_blocks, per_page, compressor.head_dim))
-        return shapes
+        return self.layout.kv_cache_shapes(num_blocks, block_size)
 
     def bind_kv_cache(self, caches: Sequence[torch.Tensor], kv_group: int = 0) -> None:
         block_size = caches[0].shape[1]

@@ -26,6 +26,11 @@ from atom.layers.norm import RMSNorm
 from atom.layers.rotary import TrailingRotaryEmbedding
 
 
+def projection_width(head_dim: int, overlap: bool) -> int:
+    """Channels of a token's kv (and of its gate): Ca | Cb with overlap, else head_dim."""
+    return (2 if overlap else 1) * head_dim
+
+
 class KVCompressor(nn.Module):
     """Weights under the checkpoint's names: wkv, wgate [c * head_dim, hidden], ape
     (the position bias) [rate, c * head_dim] fp32, norm [head_dim]; c = 2 with overlap."""
@@ -44,7 +49,7 @@ class KVCompressor(nn.Module):
         self.head_dim = head_dim
         self.rate = rate
         self.overlap = overlap
-        width = (2 if overlap else 1) * head_dim
+        width = projection_width(head_dim, overlap)
         # Unquantized in the released checkpoints (BF16 beside FP8 layers).
         self.wkv = ReplicatedLinear(hidden_size, width, prefix=f"{prefix}.wkv")
         self.wgate = ReplicatedLinear(hidden_size, width, prefix=f"{prefix}.wgate")

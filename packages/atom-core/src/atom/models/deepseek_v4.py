@@ -27,7 +27,12 @@ import torch
 from torch import nn
 
 from atom.config import ConfigError
-from atom.layers.compressed_attention import CompressedAttention, CompressedAttentionShape
+from atom.layers.compressed_attention import (
+    CompressedAttention,
+    CompressedAttentionShape,
+    cache_layout,
+)
+from atom.layers.compressed_attention_impl import CompressedCacheLayout
 from atom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.hash_moe import SCORING_FUNCS, HashMoE
 from atom.layers.hyper_connection import HyperConnection, HyperHead
@@ -127,6 +132,12 @@ def attention_shape(config: Any, index: int) -> CompressedAttentionShape:
     )
 
 
+def cache_layouts(config: Any) -> list[CompressedCacheLayout]:
+    """Each layer's cache tensors, from the config alone (a host sizes its pool rows from
+    them before building the model)."""
+    return [cache_layout(attention_shape(config, i)) for i in range(config.num_hidden_layers)]
+
+
 class DeepseekV4DecoderLayer(nn.Module):
     def __init__(
         self, config: Any, index: int, rotary: dict[str, nn.Module], quant_config, prefix: str
@@ -205,8 +216,57 @@ _RENAMES = (
 )
 
 
+# transformers 5.12's DeepSeek-V4 saves under its own module names (its save-time renaming
+# misses keys under "model."): the release's names for them, by the module's leaf name.
+_ATTENTION_LEAVES = {
+    "q_a_proj": "wq_a", "q_a_norm": "q_norm", "q_b_proj": "wq_b", "kv_proj": "wkv",
+    "kv_norm": "norm", "o_a_proj": "wo_a", "o_b_proj": "wo_b", "sinks": "attn_sink",
+}  # fmt: skip
+_COMPRESSOR_LEAVES = {
+    "kv_proj": "wkv", "gate_proj": "wgate", "position_bias": "ape", "kv_norm": "norm",
+}  # fmt: skip
+_SHARED_EXPERT_LEAVES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_LEAF = r"(\w+)(\.weight)?$"
+_MODULE_NAMES = (
+    (re.compile(r"\.(attn|ffn)_hc\.(fn|base|scale)$"), lambda m: f".hc_{m[1]}_{m[2]}"),
+    (re.compile(r"\.input_layernorm\."), lambda m: ".attn_norm."),
+    (re.compile(r"\.post_attention_layernorm\."), lambda m: ".ffn_norm."),
+    (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), lambda m: ".ffn.gate.bias"),
+    (
+        re.compile(r"\.mlp\.shared_experts\.(\w+)\."),
+        lambda m: f".ffn.shared_experts.{_SHARED_EXPERT_LEAVES[m[1]]}.",
+    ),
+    (re.compile(r"\.mlp\."), lambda m: ".ffn."),
+    (re.compile(r"\.self_attn\.compressor\.indexer\.scorer\."), lambda m: ".attn.indexer."),
+    (re.compile(r"\.self_attn\.compressor\.indexer\.q_b_proj\."), lambda m: ".attn.indexer.wq_b."),
+    (
+        re.compile(r"\.self_attn\.compressor\.indexer\." + _LEAF),
+        lambda m: f".attn.indexer.compressor.{_COMPRESSOR_LEAVES[m[1]]}{m[2] or ''}",
+    ),
+    (
+        re.compile(r"\.self_attn\.compressor\." + _LEAF),
+        lambda m: f".attn.compressor.{_COMPRESSOR_LEAVES[m[1]]}{m[2] or ''}",
+    ),
+    (
+        re.compile(r"\.self_attn\." + _LEAF),
+        lambda m: f".attn.{_ATTENTION_LEAVES[m[1]]}{m[2] or ''}",
+    ),
+)
+
+
+def released_name(name: str) -> str:
+    """A layer tensor's name in the release's terms (transformers 5.12's module names ->
+    the release's; release names pass through)."""
+    if not name.startswith("layers."):
+        return name
+    for pattern, replacement in _MODULE_NAMES:
+        if pattern.search(name):
+            return pattern.sub(replacement, name, count=1)
+    return name
+
+
 def atom_name(name: str) -> str:
-    name = name.removeprefix("model.")
+    name = released_name(name.removeprefix("model."))
     for pattern, replacement in _RENAMES:
         if pattern.search(name):
             return pattern.sub(replacement, name, count=1)
