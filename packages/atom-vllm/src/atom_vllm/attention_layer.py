@@ -13,7 +13,8 @@ DeepSeek-V4's layers (spec.kind == "compressed") get
 `ColumnParallelLinear` kv_b_proj into W_UK/W_UV itself, requires a vLLM MLA prefill
 backend and calls the impl's `forward_mha` / `forward_mqa` with its own metadata types;
 and vLLM's CPU platform has no MLA backend ("MLA is not supported on CPU").
-`VllmMLAAttention` is a small layer of vLLM's `AttentionLayerBase` kind that
+`VllmMLAAttention` is a small layer of vLLM's `AttentionLayerBase` kind
+(`atom_vllm.row_cache_layer.VllmRowCacheLayer`) that
 
 * registers itself in vLLM's static forward context under ATOM's layer name;
 * declares an `MLAAttentionSpec` whose one row per token holds every cache tensor of
@@ -43,12 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-from vllm.v1.attention.backend import AttentionBackend, AttentionType
-from vllm.v1.kv_cache_interface import MLAAttentionSpec
+from vllm.v1.attention.backend import AttentionBackend
 
-from atom.forward_context import get_forward_context
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
 from atom.layers.attention_spec import AttentionSpec, ImplFactory
 from atom.layers.mla_impl import NativeMLAImpl
@@ -59,7 +56,8 @@ from atom_vllm.backend import (
     cache_dtype_problem,
 )
 from atom_vllm.compressed_attention_layer import VllmCompressedAttention
-from atom_vllm.patches import full_attention_in_a_windowed_model, register_layer
+from atom_vllm.patches import full_attention_in_a_windowed_model
+from atom_vllm.row_cache_layer import VllmRowCacheLayer
 
 
 class VllmAttention(nn.Module):
@@ -126,54 +124,26 @@ class VllmAttention(nn.Module):
         return f"layer={self.spec.layer_name!r}, backend=AtomAttentionBackend"
 
 
-class VllmMLAAttention(nn.Module, AttentionLayerBase):
+class VllmMLAAttention(VllmRowCacheLayer):
     """ATOM MLA impl contract: (q_nope, q_pe, kv_c, k_pe) -> [T, H, Dv]; for a sparse
     spec also `select_tokens` and `attend_selected` (the `SparseMLAImpl` protocol)."""
 
     def __init__(self, spec: AttentionSpec, vllm_config: Any):
-        nn.Module.__init__(self)
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
         problem = cache_dtype_problem(cache_dtype)
         if problem:
             raise NotImplementedError(f"ATOM's MLA attention does not support {problem}")
-        self.spec = spec
-        self.layer_name = spec.layer_name
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = 1
-        self.impl = NativeMLAImpl(spec)  # ATOM's: kernels + W_UK/W_UV absorption
+        impl = NativeMLAImpl(spec)  # ATOM's: kernels + W_UK/W_UV absorption
         # The widths of the impl's cache tensors (latents, indexer keys), one row in vLLM.
-        self.row_widths = [shape[-1] for shape in self.impl.kv_cache_shapes(1, 1)]
-        self.head_size = sum(self.row_widths)
-        self.kv_cache_dtype = cache_dtype
-        self.kv_cache_torch_dtype = kv_cache_dtype_str_to_dtype(
-            cache_dtype, vllm_config.model_config
-        )
+        row_widths = [shape[-1] for shape in impl.kv_cache_shapes(1, 1)]
+        super().__init__(spec, impl, sum(row_widths), vllm_config)
+        self.row_widths = row_widths
+        self.num_heads = spec.num_heads
         # vLLM allocates an fp8 cache as uint8; ATOM's MLA kernels read float8_e4m3fn.
         self.fp8_cache = cache_dtype in FP8_CACHE_DTYPES
-        self.attn_type = AttentionType.DECODER
-        self.kv_cache = torch.tensor([])  # bound by vLLM (bind_kv_cache)
-        self.num_calls = 0
-        register_layer(vllm_config, self.layer_name, self)
-
-    @property
-    def kv_group(self) -> int:
-        return self.impl.kv_group
-
-    @kv_group.setter
-    def kv_group(self, value: int) -> None:  # set by atom_vllm.step
-        self.impl.kv_group = value
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return AtomMLABackend
-
-    def get_kv_cache_spec(self, vllm_config: Any) -> MLAAttentionSpec:
-        return MLAAttentionSpec(
-            block_size=vllm_config.cache_config.block_size,
-            num_kv_heads=1,
-            head_size=self.head_size,
-            dtype=self.kv_cache_torch_dtype,
-            cache_dtype_str=self.kv_cache_dtype,
-        )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """vLLM's `[num_blocks, 1, block_size, row]` cache -> the impl's tensors, each
@@ -185,21 +155,16 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
             rows = rows.view(FP8_KV_CACHE_DTYPE)
         self.impl.bind_kv_cache(rows.split(self.row_widths, dim=-1), self.kv_group)
 
-    @staticmethod
-    def _profiling() -> bool:
-        # vLLM's profiling and dummy runs carry no metadata (and run before the cache).
-        return get_forward_context().attn_metadata is None
-
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
-        if self._profiling():
+        if self.profiling():
             return q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.spec.v_head_dim)
         self.num_calls += 1
         return self.impl(q_nope, q_pe, kv_c, k_pe)
 
     def select_tokens(self, index: Any) -> torch.Tensor:
-        if self._profiling():
+        if self.profiling():
             return torch.full(
                 (index.q.shape[0], self.spec.index_topk), -1, dtype=torch.int32,
                 device=index.q.device,
@@ -214,7 +179,7 @@ class VllmMLAAttention(nn.Module, AttentionLayerBase):
         k_pe: torch.Tensor,
         topk_slots: torch.Tensor,
     ) -> torch.Tensor:
-        if self._profiling():
+        if self.profiling():
             return q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.spec.v_head_dim)
         self.num_calls += 1
         return self.impl.attend_selected(q_nope, q_pe, kv_c, k_pe, topk_slots)
