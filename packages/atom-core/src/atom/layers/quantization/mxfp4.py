@@ -57,9 +57,10 @@ class Mxfp4MoEMethod:
 
     def packed(self, layer, projection: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A projection's (codes, scales)."""
-        return getattr(layer, f"{projection}_{self.codes}"), getattr(
-            layer, f"{projection}_{self.scales}"
+        codes, scales = (
+            getattr(layer, f"{projection}_{part}") for part in (self.codes, self.scales)
         )
+        return codes, scales
 
     def apply(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         return fused_moe_mxfp4(
