@@ -179,7 +179,8 @@ _ENTRIES = (
         hybrid=True,
     ),
     # Sliding-window, compressed sparse (CSA) and heavily compressed (HCA) attention,
-    # hyper-connections and hash-routed MoE: every host, unquantized.
+    # hyper-connections and hash-routed MoE: every host, unquantized or as the releases
+    # quantize it.
     ModelEntry(
         "DeepseekV4ForCausalLM",
         "deepseek_v4",
@@ -187,7 +188,7 @@ _ENTRIES = (
         "DeepSeek-V4",
         attention="compressed",
         moe=True,
-        quant=(),
+        quant=("fp8-block (fp32 or ue8m0 scales) with fp4 (MXFP4) or fp8-block experts",),
         hosts=("atom", "vllm", "sglang"),
     ),
     ModelEntry(

@@ -132,6 +132,7 @@ def check_against_hf(
     atom_folder: Path | None = None,
     ssm_dtype: torch.dtype = torch.float32,
     packed_rows: bool = False,
+    hf_model: torch.nn.Module | None = None,
 ) -> float:
     """Prefill a mixed batch, then decode steps (all batched); returns the max abs diff.
 
@@ -139,9 +140,10 @@ def check_against_hf(
     its prefill reads them back from the paged cache. `atom_folder`: the checkpoint ATOM
     loads, when it differs in form from HF's (e.g. quantized). `ssm_dtype`: what hybrid
     models store their recurrent state in. `packed_rows`: the caches as a host packs them
-    into one row per token (`pack_kv_caches`).
+    into one row per token (`pack_kv_caches`). `hf_model`: the reference, where it is not
+    HF's plain model of `folder` (e.g. with the activations quantized as ATOM's kernels do).
     """
-    hf = load_hf(folder, dtype)
+    hf = hf_model or load_hf(folder, dtype)
     paged = PagedModel(atom_folder or folder, dtype, ssm_dtype=ssm_dtype, packed_rows=packed_rows)
     vocab = hf.config.get_text_config().vocab_size
     seqs = make_prompts(vocab, prompt_lengths)

@@ -27,6 +27,7 @@ from atom_vllm.backend import FP8_CACHE_DTYPES, PLAIN_CACHE_DTYPES
 # "auto_gptq"; the marlin names are the ones a user may pass as `quantization`).
 _ATOM_QUANT_METHODS = {
     "fp8",
+    "deepseek_v4_fp8",
     "compressed-tensors",
     "gpt_oss_mxfp4",
     "awq",
@@ -36,8 +37,9 @@ _ATOM_QUANT_METHODS = {
     "gptq_marlin",
     "auto_gptq",
 }
-# vLLM renames these methods inside the hf_config it hands over: the checkpoint's names.
-_CHECKPOINT_METHOD = {"gpt_oss_mxfp4": "mxfp4"}
+# vLLM renames these methods inside the hf_config it hands over: the checkpoint's names
+# (vLLM 0.32 routes GPT-OSS's MXFP4 and DeepSeek-V4's fp8 to methods of its own).
+_CHECKPOINT_METHOD = {"gpt_oss_mxfp4": "mxfp4", "deepseek_v4_fp8": "fp8"}
 
 
 class UnsupportedVllmFeature(NotImplementedError):
@@ -136,9 +138,13 @@ def transformers_config(hf_config: Any) -> Any:
 
 def _with_checkpoint_method(hf_config: Any) -> Any:
     """`hf_config`, or a stand-in whose quantization_config names the method as the
-    checkpoint does (for the methods vLLM renames)."""
+    checkpoint does (for the methods vLLM renames), with DeepSeek-V4's top-level
+    `expert_dtype` (which `get_quant_config` reads too)."""
     raw = getattr(hf_config, "quantization_config", None)
     if not isinstance(raw, dict) or raw.get("quant_method") not in _CHECKPOINT_METHOD:
         return hf_config
     method = _CHECKPOINT_METHOD[raw["quant_method"]]
-    return SimpleNamespace(quantization_config={**raw, "quant_method": method})
+    return SimpleNamespace(
+        quantization_config={**raw, "quant_method": method},
+        expert_dtype=getattr(hf_config, "expert_dtype", None),
+    )

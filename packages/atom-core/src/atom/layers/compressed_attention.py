@@ -35,8 +35,10 @@ from atom.layers.compressed_attention_impl import (
 )
 from atom.layers.hyper_connection import unweighted_rms_norm
 from atom.layers.kv_compressor import KVCompressor, projection_width
-from atom.layers.linear import ReplicatedLinear
+from atom.layers.linear import ReplicatedLinear, copy_weight
 from atom.layers.norm import RMSNorm
+from atom.layers.quantization import QuantizationConfig, UnquantizedLinearMethod
+from atom.layers.quantization.dequantized import DequantizedAfterLoading
 from atom.layers.rotary import TrailingRotaryEmbedding
 
 
@@ -61,12 +63,32 @@ class CompressedAttentionShape:
 
 
 class GroupedLinear(nn.Module):
-    """x [T, G, K] -> [T, G * N], group g through its own block of `weight` [G * N, K]."""
+    """x [T, G, K] -> [T, G * N], group g through its own block of `weight` [G * N, K].
 
-    def __init__(self, in_per_group: int, out_features: int, groups: int, prefix: str = ""):
+    A quantized checkpoint's weight loads as it is stored and is dequantized once, after
+    loading (`quant_method`, which the hosts' loaders call too)."""
+
+    def __init__(
+        self,
+        in_per_group: int,
+        out_features: int,
+        groups: int,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
+        self.prefix = prefix
         self.groups = groups
-        self.weight = nn.Parameter(torch.empty(out_features, in_per_group), requires_grad=False)
+        stored_as = (
+            quant_config.linear_method(prefix) if quant_config else UnquantizedLinearMethod()
+        )
+        self.quant_method = DequantizedAfterLoading(stored_as)
+        self.quant_method.create_weights(
+            self, in_per_group, [out_features], torch.get_default_dtype(), copy_weight
+        )
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self.weight.view(self.groups, -1, x.shape[-1])  # [G, N, K]
@@ -95,14 +117,20 @@ class LightningIndexerV4(nn.Module):
     step (scores over the entries are the impl's, atom.kernels.compressed_attention)."""
 
     def __init__(
-        self, shape: CompressedAttentionShape, rotary: TrailingRotaryEmbedding, prefix: str
+        self,
+        shape: CompressedAttentionShape,
+        rotary: TrailingRotaryEmbedding,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
     ):
         super().__init__()
         self.num_heads, self.head_dim = shape.index_n_heads, shape.index_head_dim
         self.wq_b = ReplicatedLinear(
-            shape.q_lora_rank, self.num_heads * self.head_dim, prefix=f"{prefix}.wq_b"
-        )
-        # Unquantized in the checkpoints, and run in fp32 (as the reference does).
+            shape.q_lora_rank, self.num_heads * self.head_dim, False, quant_config,
+            f"{prefix}.wq_b",
+        )  # fmt: skip
+        # Unquantized in the checkpoints (as are the compressor's), and run in fp32 (as
+        # the reference does).
         self.weights_proj = ReplicatedLinear(
             shape.hidden_size, self.num_heads, prefix=f"{prefix}.weights_proj"
         )
@@ -126,28 +154,38 @@ class LightningIndexerV4(nn.Module):
 
 
 class CompressedAttention(nn.Module):
-    """hidden [T, hidden_size] at positions [T] -> [T, hidden_size]."""
+    """hidden [T, hidden_size] at positions [T] -> [T, hidden_size].
+
+    With `quant_config`, the projections are quantized as the releases store them (FP8
+    blocks): wq_a, wq_b, wkv, wo_a, wo_b and the indexer's wq_b; the compressors and the
+    indexer's weights_proj stay unquantized."""
 
     def __init__(
         self,
         shape: CompressedAttentionShape,
         rotary: TrailingRotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ):
         super().__init__()
         self.shape = shape
         h, d = shape.num_heads, shape.head_dim
-        self.wq_a = ReplicatedLinear(shape.hidden_size, shape.q_lora_rank, prefix=f"{prefix}.wq_a")
+
+        def projection(in_features: int, out_features: int, name: str) -> ReplicatedLinear:
+            return ReplicatedLinear(
+                in_features, out_features, False, quant_config, f"{prefix}.{name}"
+            )
+
+        self.wq_a = projection(shape.hidden_size, shape.q_lora_rank, "wq_a")
         self.q_norm = RMSNorm(shape.q_lora_rank, shape.norm_eps)
-        self.wq_b = ReplicatedLinear(shape.q_lora_rank, h * d, prefix=f"{prefix}.wq_b")
-        self.wkv = ReplicatedLinear(shape.hidden_size, d, prefix=f"{prefix}.wkv")
+        self.wq_b = projection(shape.q_lora_rank, h * d, "wq_b")
+        self.wkv = projection(shape.hidden_size, d, "wkv")
         self.norm = RMSNorm(d, shape.norm_eps)
         self.wo_a = GroupedLinear(
-            h * d // shape.o_groups, shape.o_groups * shape.o_lora_rank, shape.o_groups
-        )
-        self.wo_b = ReplicatedLinear(
-            shape.o_groups * shape.o_lora_rank, shape.hidden_size, prefix=f"{prefix}.wo_b"
-        )
+            h * d // shape.o_groups, shape.o_groups * shape.o_lora_rank, shape.o_groups,
+            quant_config, f"{prefix}.wo_a",
+        )  # fmt: skip
+        self.wo_b = projection(shape.o_groups * shape.o_lora_rank, shape.hidden_size, "wo_b")
         self.attn_sink = nn.Parameter(torch.empty(h, dtype=torch.float32), requires_grad=False)
         self.__dict__["rotary"] = rotary  # the model's, shared by the layers of its rope type
         self.compressor = self.indexer = None
@@ -157,7 +195,7 @@ class CompressedAttention(nn.Module):
                 shape.norm_eps, f"{prefix}.compressor",
             )  # fmt: skip
         if shape.index_n_heads:
-            self.indexer = LightningIndexerV4(shape, rotary, f"{prefix}.indexer")
+            self.indexer = LightningIndexerV4(shape, rotary, quant_config, f"{prefix}.indexer")
         spec = CompressedAttentionSpec(
             layer_name=f"{prefix}.impl",
             num_heads=h,

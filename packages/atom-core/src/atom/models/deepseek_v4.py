@@ -14,6 +14,13 @@ attention layer and hash-routed MoE layers.
 Weights load under the released checkpoints' names (`layers.N.attn.wq_a`, `ffn.experts.E.w1`,
 `hc_attn_fn`, `embed`, `head`, ...), which is also how transformers saves the model; the
 multi-token-prediction layers (`mtp.*`) are skipped with one log line.
+
+The releases' quantized checkpoints (`quant_method: "fp8"`): the attention projections
+and the shared experts in e4m3 with 128x128 block scales (`<layer>.scale`: powers of two
+as float8_e8m0fnu where `scale_fmt` is "ue8m0", else fp32), the routed experts as
+`expert_dtype` says: "fp4" (MXFP4: e2m1 codes two a byte, an e8m0 scale per 32 inputs)
+or "fp8" (blocks, as the rest). Embeddings, head, router, compressors, the indexer's
+weights_proj, norms and hyper-connections stay unquantized, as the releases keep them.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from atom.layers.hash_moe import SCORING_FUNCS, HashMoE
 from atom.layers.hyper_connection import HyperConnection, HyperHead
 from atom.layers.moe import FusedMoE
 from atom.layers.norm import RMSNorm
+from atom.layers.quantization.fp8 import Fp8Config
 from atom.layers.rotary import TrailingRotaryEmbedding
 from atom.loader import load_with_mapping
 
@@ -49,6 +57,9 @@ SLIDING, CSA, HCA = (
     "heavily_compressed_attention",
 )
 MLP_LAYER_TYPES = ("hash_moe", "moe")
+# The FP8 blocks of the releases, which the FP8 block kernels and the shared experts' TP
+# split are laid out for.
+FP8_BLOCK = (128, 128)
 
 
 def rope_dim(config: Any) -> int:
@@ -105,10 +116,27 @@ def check_config(config: Any, quant_config=None) -> None:
         raise _named(config, "index_topk", config.index_topk, "must be >= 1")
     if (config.num_attention_heads * config.head_dim) % config.o_groups:
         raise _named(config, "o_groups", config.o_groups, "must divide the heads' channels")
-    if quant_config is not None:
-        raise ConfigError(
-            "config field quantization_config is not supported for DeepSeek-V4 yet "
-            "(ATOM runs its unquantized checkpoints)"
+    check_quantization(config, quant_config)
+
+
+def check_quantization(config: Any, quant_config) -> None:
+    """ATOM runs the releases' quantized form: FP8 in 128x128 blocks (Fp8Config checks the
+    element and scale formats and `expert_dtype`)."""
+    if quant_config is None:
+        return
+    if not isinstance(quant_config, Fp8Config):
+        raise _named(
+            config,
+            "quantization_config.quant_method",
+            quant_config.name,
+            "ATOM loads DeepSeek-V4's own 'fp8' checkpoints",
+        )
+    if quant_config.block_size != FP8_BLOCK:
+        raise _named(
+            config,
+            "quantization_config.weight_block_size",
+            list(quant_config.block_size or []) or None,
+            f"ATOM runs DeepSeek-V4's FP8 layers in {list(FP8_BLOCK)} blocks, as the releases store them",
         )
 
 
@@ -145,7 +173,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         super().__init__()
         rope = "main" if config.layer_types[index] == SLIDING else "compress"
         self.attn = CompressedAttention(
-            attention_shape(config, index), rotary[rope], f"{prefix}.attn"
+            attention_shape(config, index), rotary[rope], quant_config, f"{prefix}.attn"
         )
         hashed = config.mlp_layer_types[index] == "hash_moe"
         self.ffn = HashMoE(config, hashed, quant_config, f"{prefix}.ffn")
@@ -214,6 +242,9 @@ _RENAMES = (
     (re.compile(r"^(layers\.\d+\.ffn\.shared_experts)\.w2\."), r"model.\1.down_proj."),
     (re.compile(r"^(layers\.|norm\.)"), r"model.\1"),
 )
+# A quantized layer's scales: `<layer>.scale` in the releases, `weight_scale_inv` in ATOM
+# (as in transformers). The hyper-connections' `hc_*_scale` are weights of their own.
+_SCALE = re.compile(r"\.scale$")
 
 
 # transformers 5.12's DeepSeek-V4 saves under its own module names (its save-time renaming
@@ -267,6 +298,7 @@ def released_name(name: str) -> str:
 
 def atom_name(name: str) -> str:
     name = released_name(name.removeprefix("model."))
+    name = _SCALE.sub(".weight_scale_inv", name)
     for pattern, replacement in _RENAMES:
         if pattern.search(name):
             return pattern.sub(replacement, name, count=1)

@@ -29,6 +29,11 @@ def get_quant_config(hf_config: Any) -> QuantizationConfig | None:
     if not raw:
         return None
     raw = raw if isinstance(raw, dict) else raw.to_dict()
+    # DeepSeek-V4 names its experts' format at the top level, V4.1 (and transformers'
+    # config, which moves V4's there) inside quantization_config.
+    top_level_expert_dtype = getattr(hf_config, "expert_dtype", None)
+    if top_level_expert_dtype is not None:
+        raw = {"expert_dtype": top_level_expert_dtype, **raw}
     method = raw.get("quant_method")
     if method in _CONFIG_READERS:
         return _CONFIG_READERS[method](raw)

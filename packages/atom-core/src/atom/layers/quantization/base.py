@@ -28,6 +28,10 @@ class LinearMethod(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turns checkpoint-format weights into the format `apply` uses."""
 
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's weight [N, K] in fp32, for a product no quantized kernel runs."""
+        raise NotImplementedError(f"{type(self).__name__} has no dequantized weight")
+
 
 class QuantizationConfig(ABC):
     name: str

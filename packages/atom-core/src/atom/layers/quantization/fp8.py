@@ -3,6 +3,10 @@
 Activations are quantized on the fly (per token group of 128 for block weights, per
 tensor for per-tensor weights, or with a checkpoint's static `input_scale`), then one
 scaled GEMM runs with fp32 accumulation.
+
+Block scales come as fp32 (`scale_fmt` "float", DeepSeek-V3) or as powers of two in
+float8_e8m0fnu (`scale_fmt` "ue8m0", DeepSeek-V4); either is held as fp32, exactly. The
+experts are FP8 too, or MXFP4 where the config says `expert_dtype: "fp4"` (DeepSeek-V4).
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from atom.config import ConfigError
 from atom.kernels.fp8 import (
     FP8_DTYPE,
+    dequantize_fp8,
     fp8_scaled_mm,
     quantize_fp8_per_tensor,
     quantize_fp8_per_token,
@@ -22,6 +28,13 @@ from atom.kernels.fp8 import (
 from atom.kernels.moe import fused_moe
 from atom.layers.quantization.base import LinearMethod, set_weight_attrs
 from atom.layers.quantization.ignored_layers import IgnoredLayersConfig
+from atom.layers.quantization.mxfp4 import Fp4ExpertsMoEMethod
+
+# What a checkpoint's quantization_config may say, beside the block size: the FP8 element
+# format (`fmt`), how block scales are stored (`scale_fmt`) and the experts' format.
+ELEMENT_FORMATS = ("e4m3",)
+SCALE_FORMATS = ("float", "ue8m0")
+EXPERT_DTYPES = ("fp8", "fp4")
 
 
 def _fp8_weight(layer: nn.Module, rows: int, cols: int, weight_loader: Callable) -> None:
@@ -75,6 +88,9 @@ class Fp8BlockLinearMethod(LinearMethod):
             block_size=self.block_size,
         )
         return out.reshape(*lead, -1)
+
+    def dequantize_weight(self, layer):
+        return dequantize_fp8(layer.weight, layer.weight_scale_inv, self.block_size)
 
 
 class Fp8PerTensorLinearMethod(LinearMethod):
@@ -136,13 +152,27 @@ class Fp8PerTensorLinearMethod(LinearMethod):
         return out.reshape(*lead, -1)
 
 
+def _choice(raw: dict, field: str, default: str, allowed: tuple[str, ...], why: str) -> str:
+    value = raw.get(field) or default
+    if value not in allowed:
+        raise ConfigError(
+            f"config field quantization_config.{field}={value!r} is not supported: {why} "
+            f"({', '.join(allowed)})"
+        )
+    return value
+
+
 class Fp8Config(IgnoredLayersConfig):
     """HF `quant_method: "fp8"`: block scales when `weight_block_size` is set, else per tensor."""
 
     name = "fp8"
 
     def __init__(
-        self, weight_block_size: list[int] | None, activation_scheme: str, ignored: list[str]
+        self,
+        weight_block_size: list[int] | None,
+        activation_scheme: str,
+        ignored: list[str],
+        expert_dtype: str = "fp8",
     ):
         super().__init__(ignored)
         if activation_scheme not in ("dynamic", "static"):
@@ -151,11 +181,22 @@ class Fp8Config(IgnoredLayersConfig):
             raise ValueError("block-scaled FP8 needs activation_scheme 'dynamic'")
         self.block_size = tuple(weight_block_size) if weight_block_size else None
         self.activation_scheme = activation_scheme
+        self.expert_dtype = expert_dtype
 
     @classmethod
     def from_dict(cls, raw: dict) -> Fp8Config:
         ignored = raw.get("modules_to_not_convert") or raw.get("ignored_layers") or []
-        return cls(raw.get("weight_block_size"), raw.get("activation_scheme", "dynamic"), ignored)
+        _choice(raw, "fmt", "e4m3", ELEMENT_FORMATS, "ATOM's FP8 kernels take")
+        _choice(raw, "scale_fmt", "float", SCALE_FORMATS, "ATOM reads block scales as")
+        # Absent, the experts share the other layers' format (DeepSeek's reference and
+        # transformers read it so; vLLM 0.32 assumes fp4 for DeepSeek-V4).
+        expert_dtype = _choice(
+            raw, "expert_dtype", "fp8", EXPERT_DTYPES, "ATOM runs MoE experts as"
+        )
+        return cls(
+            raw.get("weight_block_size"), raw.get("activation_scheme", "dynamic"), ignored,
+            expert_dtype,
+        )  # fmt: skip
 
     @property
     def format(self) -> str:
@@ -167,6 +208,8 @@ class Fp8Config(IgnoredLayersConfig):
         return Fp8PerTensorLinearMethod(static_input_scale=self.activation_scheme == "static")
 
     def moe_method(self, prefix: str):
+        if self.expert_dtype == "fp4":
+            return Fp4ExpertsMoEMethod()
         if self.block_size:
             return Fp8BlockMoEMethod(self.block_size)
         if self.activation_scheme != "dynamic":
@@ -208,7 +251,7 @@ class Fp8BlockMoEMethod:
 
     def apply(self, layer, x, topk_weights, topk_ids):
         return fused_moe(
-            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation,
             w13_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv,
             block_size=self.block_size,
         )  # fmt: skip
@@ -229,7 +272,7 @@ class Fp8PerTensorMoEMethod:
 
     def apply(self, layer, x, topk_weights, topk_ids):
         return fused_moe(
-            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation,
             w13_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,
         )  # fmt: skip
 

@@ -9,6 +9,7 @@ the experts a call routes to, per call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ class Mxfp4MoEMethod:
 
     supports_bias = True
     kernel_op = "fused_moe_mxfp4"
+    # The parameters' suffixes: the checkpoint's names for the codes and their scales.
+    codes, scales = "blocks", "scales"
 
     def create_weights(self, layer, num_experts: int, hidden: int, inter: int, dtype) -> None:
         if hidden % MXFP4_GROUP or inter % MXFP4_GROUP:
@@ -41,21 +44,56 @@ class Mxfp4MoEMethod:
             "w2": ((num_experts, hidden, inter // MXFP4_GROUP), MXFP4_GROUP),
         }
         for projection, (scale_shape, shard_block) in shapes.items():
-            for part, shape in (("blocks", (*scale_shape, MXFP4_GROUP // 2)),
-                                ("scales", scale_shape)):  # fmt: skip
+            for part, shape in ((self.codes, (*scale_shape, MXFP4_GROUP // 2)),
+                                (self.scales, scale_shape)):  # fmt: skip
                 param = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
-                set_weight_attrs(param, weight_loader=layer.weight_loader, shard_block=shard_block)
+                set_weight_attrs(
+                    param, weight_loader=self.weight_loader(layer), shard_block=shard_block
+                )
                 layer.register_parameter(f"{projection}_{part}", param)
+
+    def weight_loader(self, layer) -> Callable:
+        return layer.weight_loader
+
+    def packed(self, layer, projection: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A projection's (codes, scales)."""
+        codes, scales = (
+            getattr(layer, f"{projection}_{part}") for part in (self.codes, self.scales)
+        )
+        return codes, scales
 
     def apply(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         return fused_moe_mxfp4(
-            x, layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales,
+            x, *self.packed(layer, "w13"), *self.packed(layer, "w2"),
             topk_weights, topk_ids, layer.activation,
             w13_bias=layer.w13_bias, w2_bias=layer.w2_bias,
         )  # fmt: skip
 
     def process_weights_after_loading(self, layer) -> None:
         pass
+
+
+class Fp4ExpertsMoEMethod(Mxfp4MoEMethod):
+    """DeepSeek-V4's `expert_dtype: "fp4"` experts: the same MXFP4 values, stored per
+    expert as a Linear's `weight` [N, K/2] (two e2m1 codes a byte, low nibble first; int8
+    or float4_e2m1fn_x2) and `scale` [N, K/32] (float8_e8m0fnu), which the model's loader
+    names `weight_scale_inv` as for its FP8 layers. Held as GPT-OSS's blocks and scales."""
+
+    codes, scales = "weight", "weight_scale_inv"
+
+    def weight_loader(self, layer) -> Callable:
+        def load(param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
+            if loaded.element_size() != 1:
+                raise ValueError(
+                    f"FP4 experts take one-byte codes and e8m0 scales, got {loaded.dtype}"
+                )
+            # The bytes themselves: a cast would turn e8m0 exponents into their values.
+            loaded = loaded.view(torch.uint8)
+            if param.dim() == 4:  # codes [N, K/2] -> blocks [N, K/32, 16]
+                loaded = loaded.unflatten(-1, (-1, MXFP4_GROUP // 2))
+            layer.weight_loader(param, loaded, *args)
+
+        return load
 
 
 class Mxfp4Config(QuantizationConfig):

@@ -31,6 +31,9 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.float()
+
 
 class UnquantizedMoEMethod:
     supports_bias = True
