@@ -197,14 +197,14 @@ class CompressedAttentionImpl(nn.Module):
                 write_indexer_keys(rows[:n], row_cache, metadata.slot_mapping)
                 compress_windows(compressor, row_cache, entry_cache, metadata)
                 entry_caches.append(entry_cache)
-        spec, block_size = self.spec, kv_cache.shape[1]
-        rate = 0 if self.compressor is None else self.compressor.rate
         chosen = None
         if indexer is not None:
             chosen = compressed_entry_topk(
-                indexer.q[:n], indexer.weights[:n], entry_caches[1], metadata, rate,
-                block_size, self.index_topk,
+                indexer.q[:n], indexer.weights[:n], entry_caches[1], metadata,
+                self.indexer_compressor.rate, kv_cache.shape[1], self.index_topk,
             )  # fmt: skip
+        spec = self.spec
+        rate = 0 if self.compressor is None else self.compressor.rate
         out = q.new_zeros(q.shape)
         compressed_attention(
             q[:n], kv_cache, metadata, self.window, spec.scale, spec.sinks,
