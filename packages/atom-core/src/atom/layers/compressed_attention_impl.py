@@ -1,4 +1,4 @@
-"""ATOM's impl of DeepSeek-V4's attention over the paged cache (torch reference path).
+"""ATOM's impl of DeepSeek-V4's attention over the paged cache.
 
 Per layer, on the sequence's block table (one set of pages, one slot mapping):
 
@@ -11,14 +11,18 @@ Per layer, on the sequence's block table (one set of pages, one slot mapping):
 - the compressed entries (and the indexer's), `entries_per_page` a page
   (atom.kernels.compressed_attention).
 
-A step first writes the new tokens' rows, then compresses the windows they close, then
-attends: each query over its window's K = V rows and the entries it may see (HCA: every
-closed one; CSA: the indexer's top `index_topk` of them), in one softmax with the head's
-sink.
+A step first writes the new tokens' rows, then compresses the windows they close
+(atom.kernels.window_compression), then attends: each query over its window's K = V rows
+and the entries it may see (HCA: every closed one; CSA: the indexer's top `index_topk` of
+them), in one softmax with the head's sink. Each of those is a kernel-policy op: on a GPU
+Triton runs the whole batch in one launch per op, with no host sync; on the CPU the torch
+references loop over the sequences.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,21 +32,25 @@ from torch import nn
 from atom.config import ConfigError
 from atom.forward_context import get_forward_context
 from atom.kernels.compressed_attention import (
+    compressed_attention,
+    compressed_entry_topk,
     entries_per_page,
-    entry_slots,
-    rows_at,
-    select_entries,
-    token_slots,
 )
 from atom.kernels.indexer import write_indexer_keys
-from atom.kernels.paged_attention import (
-    attention_mask,
-    dense_attention,
-    first_window_page,
-    gather_pages,
-)
+from atom.kernels.policy import selected_backend
+from atom.kernels.window_compression import compress_windows
 from atom.layers.attention_spec import AttentionSpec
 from atom.layers.kv_compressor import KVCompressor
+
+logger = logging.getLogger(__name__)
+
+# The ops of a step, in the order it runs them.
+STEP_OPS = (
+    "write_indexer_keys",
+    "compress_windows",
+    "compressed_entry_topk",
+    "compressed_attention",
+)
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,9 @@ class CompressedAttentionImpl(nn.Module):
     never through a flattened copy.
     """
 
-    cuda_graph_safe = False  # loops over sequences on the host
+    # The Triton route waits on the host nowhere, but capturing it is not yet checked on a
+    # GPU (nor are the Triton indexer ops it shares with V3.2 marked capturable).
+    cuda_graph_safe = False
 
     def __init__(self, spec: CompressedAttentionSpec):
         super().__init__()
@@ -155,6 +165,7 @@ class CompressedAttentionImpl(nn.Module):
                 )
         self.caches = list(caches)
         self.kv_group = kv_group
+        say_where_torch_runs(caches[0].device)
 
     def forward(
         self,
@@ -170,85 +181,47 @@ class CompressedAttentionImpl(nn.Module):
                 "(run the model under atom.forward_context.set_forward_context)"
             )
         metadata = context.for_kv_group(self.kv_group)
+        # A host may pad the batch past its metadata's tokens (vLLM's CUDA-graph batches):
+        # those rows write nothing and attend to nothing.
+        n = metadata.num_tokens
         caches = iter(self.caches)
         kv_cache = next(caches)
-        slots = metadata.slot_mapping
-        write_indexer_keys(kv[: len(slots)], kv_cache, slots)
-        compressed = []  # (compressor, entry cache)
+        write_indexer_keys(kv[:n], kv_cache, metadata.slot_mapping)
+        entry_caches = []
         for compressor, rows in (
             (self.compressor, compressor_rows),
             (self.indexer_compressor, None if indexer is None else indexer.rows),
         ):
             if compressor is not None:
                 row_cache, entry_cache = next(caches), next(caches)
-                write_indexer_keys(rows[: len(slots)], row_cache, slots)
-                compressed.append((compressor, row_cache, entry_cache))
-        out = q.new_zeros(q.shape)
-        starts = metadata.host_query_start_loc()
-        for i, seq_len in enumerate(metadata.host_seq_lens()):
-            begin, end = starts[i], starts[i + 1]
-            if end == begin:
-                continue
-            table = metadata.block_table[i]
-            context_len = seq_len - (end - begin)
-            for compressor, row_cache, entry_cache in compressed:
-                close_windows(compressor, row_cache, entry_cache, table, context_len, seq_len)
-            out[begin:end] = self._attend(
-                q[begin:end], kv_cache, compressed, table, context_len, seq_len,
-                None if indexer is None else (indexer.q[begin:end], indexer.weights[begin:end]),
+                write_indexer_keys(rows[:n], row_cache, metadata.slot_mapping)
+                compress_windows(compressor, row_cache, entry_cache, metadata)
+                entry_caches.append(entry_cache)
+        chosen = None
+        if indexer is not None:
+            chosen = compressed_entry_topk(
+                indexer.q[:n], indexer.weights[:n], entry_caches[1], metadata,
+                self.indexer_compressor.rate, kv_cache.shape[1], self.index_topk,
             )  # fmt: skip
+        spec = self.spec
+        rate = 0 if self.compressor is None else self.compressor.rate
+        out = q.new_zeros(q.shape)
+        compressed_attention(
+            q[:n], kv_cache, metadata, self.window, spec.scale, spec.sinks,
+            entry_caches[0] if entry_caches else None, rate, chosen, out=out[:n],
+        )  # fmt: skip
         return out
 
-    def _attend(self, q, kv_cache, compressed, table, context_len, seq_len, index_query):
-        block_size = kv_cache.shape[1]
-        positions = torch.arange(context_len, seq_len, device=q.device)
-        first_page = first_window_page(context_len, self.window, block_size)
-        keys = [gather_pages(kv_cache, table, seq_len, first_page)]
-        masks = [attention_mask(positions, seq_len, self.window, first_page * block_size)]
-        if compressed:
-            compressor, _, entry_cache = compressed[0]
-            rate = compressor.rate
-            entries = torch.arange(seq_len // rate, device=q.device)
-            keys.append(read_entries(entry_cache, table, entries, rate, block_size))
-            visible = (positions + 1) // rate  # entry w closes at w * rate + rate - 1
-            if index_query is None:  # HCA: every closed entry
-                masks.append(entries[None, :] < visible[:, None])
-            else:
-                _, _, index_cache = compressed[1]
-                index_keys = read_entries(index_cache, table, entries, rate, block_size)
-                masks.append(select_entries(*index_query, index_keys, visible, self.index_topk))
-        keys = torch.cat(keys).unsqueeze(1)  # one K = V head
-        spec = self.spec
-        return dense_attention(
-            q, keys, keys, torch.cat(masks, dim=1), spec.scale, None, spec.sinks
-        ).to(q.dtype)
 
-
-def read_entries(
-    cache: torch.Tensor, table: torch.Tensor, entries: torch.Tensor, rate: int, block_size: int
-) -> torch.Tensor:
-    return rows_at(cache, entry_slots(table, entries, rate, block_size))
-
-
-def close_windows(
-    compressor: KVCompressor,
-    row_cache: torch.Tensor,
-    entry_cache: torch.Tensor,
-    table: torch.Tensor,
-    context_len: int,
-    seq_len: int,
-) -> None:
-    """Compresses the windows that tokens context_len .. seq_len - 1 close, from the token
-    rows in the cache (those of earlier steps included), into the entry cache."""
-    rate, block_size = compressor.rate, row_cache.shape[1]
-    first, last = context_len // rate, seq_len // rate
-    if first == last:
+@functools.cache
+def say_where_torch_runs(device: torch.device) -> None:
+    """One line per device where a step op falls back to its torch reference on a GPU
+    (ATOM_KERNELS=torch, or no Triton): that route loops over the sequences on the host."""
+    if device.type != "cuda":
         return
-    entries = torch.arange(first, last, device=row_cache.device)
-    start = entries * rate - (compressor.span - rate)  # with overlap, the window before
-    positions = (start[:, None] + torch.arange(compressor.span, device=start.device)).clamp(min=0)
-    rows = rows_at(row_cache, token_slots(table, positions, block_size))
-    values = compressor.compress(rows, entries)
-    slots = entry_slots(table, entries, rate, block_size)
-    per_page = entry_cache.shape[1]
-    entry_cache[slots // per_page, slots % per_page] = values.to(entry_cache.dtype)
+    torch_ops = [op for op in STEP_OPS if selected_backend(op, device) == "torch"]
+    if torch_ops:
+        logger.info(
+            "DeepSeek-V4 attention on %s runs the torch reference of %s (a loop over the "
+            "sequences, with host syncs)", device, ", ".join(torch_ops),
+        )  # fmt: skip

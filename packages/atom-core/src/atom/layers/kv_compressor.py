@@ -75,6 +75,16 @@ class KVCompressor(nn.Module):
         """rows [n, span, row_width]: each entry's tokens in order (with overlap the previous
         window first; entry 0's are ignored); entries [n] the entry indices -> [n, head_dim]
         rotated."""
+        return self.finish(self.pool(rows, entries), entries)
+
+    def finish(self, pooled: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """The gated sums of entries [n] -> the entries as cached: normalised, rotated at
+        their first token's position."""
+        return self.rotary(entries * self.rate, self.norm(pooled))
+
+    def pool(self, rows: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """compress's gated sum over each entry's tokens, before norm and rope (a batched
+        kernel computes this part, atom.kernels.triton.window_compression)."""
         d, m = self.head_dim, self.rate
         kv, gate = rows.chunk(2, dim=-1)
         gate = gate.float()
@@ -90,5 +100,4 @@ class KVCompressor(nn.Module):
         else:
             gate = gate + self.ape.float()
         weights = gate.softmax(dim=1).to(kv.dtype)
-        compressed = self.norm((kv * weights).sum(dim=1))
-        return self.rotary(entries * m, compressed)
+        return (kv * weights).sum(dim=1)

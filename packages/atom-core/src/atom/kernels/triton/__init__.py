@@ -3,6 +3,7 @@
 from atom.kernels.triton import (
     activation,
     causal_conv1d,
+    compressed_attention,
     fp8,
     fused_moe,
     fused_moe_mxfp4,
@@ -17,11 +18,13 @@ from atom.kernels.triton import (
     rotary,
     sparse_mla,
     w4a16,
+    window_compression,
 )
 
 __all__ = [
     "activation",
     "causal_conv1d",
+    "compressed_attention",
     "fp8",
     "fused_moe",
     "fused_moe_mxfp4",
@@ -35,4 +38,5 @@ __all__ = [
     "rotary",
     "sparse_mla",
     "w4a16",
+    "window_compression",
 ]

@@ -20,7 +20,7 @@ from atom.kernels.indexer import best_positions
 from atom.kernels.kv_cache import is_fp8_kv_cache
 from atom.kernels.policy import register
 from atom.kernels.triton.kv_cache import write_kv_cache_triton
-from atom.kernels.triton.paged_attention import _load_page_rows
+from atom.kernels.triton.sparse_mla import load_slot_rows
 
 BLOCK_N = 64
 
@@ -38,10 +38,21 @@ def write_indexer_keys_triton(keys, key_cache, slot_mapping, scale=1.0) -> None:
 
 
 @triton.jit
+def key_slots(table_row_ptr, n, valid, per_page, pages_per_key):
+    """Flat cache slots (page * per_page + row) of keys n of one sequence, where key n sits
+    in table entry (n // per_page) * pages_per_key + pages_per_key - 1: a token's key has
+    one row of its page (pages_per_key 1); a compressed entry lives in the page of the
+    last of its tokens, which may span several pages (atom.kernels.compressed_attention)."""
+    table_index = (n // per_page) * pages_per_key + pages_per_key - 1
+    page = tl.load(table_row_ptr + table_index, mask=valid, other=0).to(tl.int64)
+    return page * per_page + n % per_page
+
+
+@triton.jit
 def _indexer_scores_kernel(
     q_ptr, w_ptr, cache_ptr, scores_ptr, block_table_ptr, token_seq_ptr, token_keys_ptr,
     q_stride_t, q_stride_h, w_stride_t, c_stride_b, c_stride_s, s_stride_t, bt_stride,
-    num_heads, head_dim, block_size, width, key_scale,
+    num_heads, head_dim, per_page, pages_per_key, width, key_scale,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -59,10 +70,10 @@ def _indexer_scores_kernel(
         mask=head_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
-    keys = _load_page_rows(
-        cache_ptr, block_table_ptr + seq * bt_stride, n, n_valid, 0, c_stride_b, c_stride_s,
-        0, dims, dim_valid, block_size,
-    ).to(q.dtype)  # fmt: skip
+    slots = key_slots(block_table_ptr + seq * bt_stride, n, n_valid, per_page, pages_per_key)
+    keys = load_slot_rows(
+        cache_ptr, slots, n_valid, c_stride_b, c_stride_s, dims, dim_valid, per_page
+    ).to(q.dtype)
     per_head = tl.maximum(tl.dot(q, tl.trans(keys), input_precision=PRECISION), 0.0)
     weights = tl.load(w_ptr + token * w_stride_t + heads, mask=head_valid, other=0.0)
     scores = tl.sum(per_head * weights[:, None], 0) * key_scale
@@ -70,26 +81,36 @@ def _indexer_scores_kernel(
     tl.store(scores_ptr + token * s_stride_t + n, scores, mask=n < width)
 
 
-@register("indexer_topk", "triton")
-def indexer_topk_triton(q, weights, key_cache, metadata, topk, out, scale=1.0):
+def index_scores(q, weights, key_cache, block_table, token_seq, token_keys, width,
+                 key_scale=1.0, pages_per_key=1):  # fmt: skip
+    """sum_h w_h relu(q_h . k) of every query token [T] against its sequence's first
+    token_keys[t] keys of key_cache (-inf past them) -> [T, width] fp32."""
     num_tokens, num_heads, head_dim = q.shape
-    width = metadata.max_seq_len
-    out.fill_(-1)
-    if num_tokens == 0 or width == 0:
-        return out
-    token_seq, token_keys = metadata.query_token_bounds
     scores = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
-    key_scale = scale if is_fp8_kv_cache(key_cache) else 1.0  # relu(c x) = c relu(x), c > 0
     _indexer_scores_kernel[(num_tokens, triton.cdiv(width, BLOCK_N))](
-        q, weights, key_cache, scores, metadata.block_table, token_seq, token_keys,
+        q, weights, key_cache, scores, block_table, token_seq, token_keys,
         q.stride(0), q.stride(1), weights.stride(0), key_cache.stride(0), key_cache.stride(1),
-        scores.stride(0), metadata.block_table.stride(0),
-        num_heads, head_dim, key_cache.shape[1], width, key_scale,
+        scores.stride(0), block_table.stride(0),
+        num_heads, head_dim, key_cache.shape[1], pages_per_key, width, key_scale,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+    return scores
+
+
+@register("indexer_topk", "triton")
+def indexer_topk_triton(q, weights, key_cache, metadata, topk, out, scale=1.0):
+    width = metadata.max_seq_len
+    out.fill_(-1)
+    if q.shape[0] == 0 or width == 0:
+        return out
+    token_seq, token_keys = metadata.query_token_bounds
+    key_scale = scale if is_fp8_kv_cache(key_cache) else 1.0  # relu(c x) = c relu(x), c > 0
+    scores = index_scores(
+        q, weights, key_cache, metadata.block_table, token_seq, token_keys, width, key_scale
+    )
     k = min(topk, width)
     chosen = best_positions(scores, k)
     tables = metadata.block_table[token_seq.long()]

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from atom.kernels.kv_cache import is_fp8_kv_cache
 from atom.kernels.policy import register
+from atom.kernels.triton.online_softmax import fold_block
 from atom.kernels.triton.prefill_attention import prefill_attention
 
 # Launch parameters, from benchmarks/tune_attention.py on an H100 (bf16, head dim 128,
@@ -86,12 +87,7 @@ def _attend_block(
                         v_stride_h, vdims, vdims < v_head_dim, block_size)  # fmt: skip
     if FP8:
         v = v.to(q.dtype)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
+    return fold_block(s, v, m_i, l_i, acc, PRECISION)
 
 
 # num_splits changes from step to step: specialising on it (==1, %16) would recompile

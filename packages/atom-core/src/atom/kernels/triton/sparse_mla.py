@@ -18,6 +18,7 @@ import triton.language as tl
 
 from atom.kernels.kv_cache import is_fp8_kv_cache
 from atom.kernels.policy import capturable, register
+from atom.kernels.triton.online_softmax import fold_block
 
 # 16 heads x 32 rows keeps the L = 512 latent tile and its accumulator in registers;
 # not yet tuned on an H100.
@@ -25,7 +26,9 @@ CONFIG = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
-def _load_rows(cache_ptr, slots, valid, stride_b, stride_s, dims, dim_mask, block_size):
+def load_slot_rows(cache_ptr, slots, valid, stride_b, stride_s, dims, dim_mask, block_size):
+    """The rows [N, dims] of a paged cache at flat slots (page * block_size + row); zeros
+    where not valid."""
     page = (slots // block_size).to(tl.int64)
     ptrs = cache_ptr + page[:, None] * stride_b + (slots % block_size)[:, None] * stride_s
     return tl.load(ptrs + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
@@ -64,25 +67,17 @@ def _sparse_mla_kernel(
         n = start + tl.arange(0, BLOCK_N)
         slots = tl.load(slots_ptr + token * s_stride_t + n, mask=n < topk, other=-1)
         valid = slots >= 0
-        latent = _load_rows(
+        latent = load_slot_rows(
             cache_ptr, slots, valid, c_stride_b, c_stride_s, ldims, lmask, block_size
         ).to(q_latent.dtype)
-        rope = _load_rows(
+        rope = load_slot_rows(
             cache_ptr + latent_dim, slots, valid, c_stride_b, c_stride_s, rdims, rmask,
             block_size,
         ).to(q_pe.dtype)  # fmt: skip
         s = tl.dot(q_latent, tl.trans(latent), input_precision=PRECISION)
         s += tl.dot(q_pe, tl.trans(rope), input_precision=PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        # Selections are ragged (-1 anywhere), so a block may hold no key: keep the
-        # running max finite for the exponent and let those columns contribute 0.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = fold_block(s, latent, m_i, l_i, acc, PRECISION)
     acc = acc * kv_scale / tl.where(l_i == 0, 1.0, l_i)[:, None]
     o_ptrs = out_ptr + token * o_stride_t + heads[:, None] * o_stride_h + ldims[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & lmask[None, :])
