@@ -38,6 +38,10 @@ def moe_layer(seed: int, num_tokens: int):
     return (w13, w2), x, *topk_softmax_torch(logits, TOP_K, True)
 
 
+def experts(hidden, w13, w2, weights, ids):
+    return fused_moe_torch(hidden, w13, w2, weights, ids, "silu", None, None, None)
+
+
 def check_exchange(exchange, group: TorchDistributedGroup, counts: list[int]) -> None:
     placement = ExpertPlacement.of_rank(EXPERTS, group.rank, group.world_size, "experts")
     held = slice(placement.first, placement.first + placement.count)
@@ -46,9 +50,8 @@ def check_exchange(exchange, group: TorchDistributedGroup, counts: list[int]) ->
         (w13, w2), x, weights, ids = moe_layer(layer, sum(counts))
         exchange.begin_step(counts)
         h, w, i = exchange.dispatch(x[mine], weights[mine], ids[mine], placement)
-        out = fused_moe_torch(h, w13[held], w2[held], w, placement.local_ids(i), "silu", None, None, None)  # fmt: skip
-        out = exchange.combine(out)
-        expected = fused_moe_torch(x[mine], w13, w2, weights[mine], ids[mine], "silu", None, None, None)  # fmt: skip
+        out = exchange.combine(experts(h, w13[held], w2[held], w, placement.local_ids(i)))
+        expected = experts(x[mine], w13, w2, weights[mine], ids[mine])
         what = f"{type(exchange).__name__} rank {group.rank} of {group.world_size}, layer {layer}"
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=what)
         if isinstance(exchange, AllToAllTokens):
