@@ -71,20 +71,38 @@ def test_metadata_from_token_table():
     assert (decode.num_decodes, decode.num_decode_tokens, decode.num_prefills) == (1, 1, 0)
 
 
-def test_coordinator_group_adapter():
-    class Coordinator:
-        rank_in_group, world_size = 1, 2
+class Coordinator:
+    """vLLM's collectives on a 2-rank group, every rank holding x."""
 
-        def all_reduce(self, x):
-            return x * 2
+    rank_in_group, world_size = 1, 2
 
-        def all_gather(self, x, dim):
-            return torch.cat([x, x], dim)
+    def all_reduce(self, x):
+        return x * 2
 
-    group = CoordinatorTensorParallelGroup(Coordinator())
+    def all_gather(self, x, dim):
+        return torch.cat([x, x], dim)
+
+    def reduce_scatter(self, x, dim):
+        return (x * 2).chunk(2, dim)[self.rank_in_group]
+
+
+class SGLangCoordinator(Coordinator):
+    """SGLang's reduce_scatter fills a given output from a list; the out-of-place one is
+    reduce_scatter_along_dim."""
+
+    def reduce_scatter(self, output, input_list):
+        raise AssertionError("the in-place list form")
+
+    reduce_scatter_along_dim = Coordinator.reduce_scatter
+
+
+@pytest.mark.parametrize("coordinator", [Coordinator, SGLangCoordinator])
+def test_coordinator_group_adapter(coordinator):
+    group = CoordinatorTensorParallelGroup(coordinator())
     assert (group.rank, group.world_size) == (1, 2)
     assert group.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
     assert group.all_gather(torch.ones(1, 2), dim=0).shape == (2, 2)
+    assert group.reduce_scatter(torch.arange(4.0).view(4, 1)).tolist() == [[4.0], [6.0]]
 
 
 def test_state_slots_from_host_rows_and_computed_tokens():

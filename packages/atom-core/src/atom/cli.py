@@ -53,6 +53,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="MLA models: one batch and KV cache per GPU, MoE experts split over them (needs"
         " -ep; --max-num-seqs and --max-num-batched-tokens are per GPU)",
     )
+    parser.add_argument(
+        "--all2all-backend",
+        default="allgather_reducescatter",
+        help="with -dp, how tokens reach the experts' GPUs (vLLM's option): "
+        "allgather_reducescatter, or all_to_all (each token to its experts' GPUs only, after "
+        "a host sync per MoE layer: for large batches)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true", help="no KV block reuse")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="torch.compile the sampler")
@@ -92,6 +99,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         data_parallel_size=args.data_parallel_size,
+        all2all_backend=args.all2all_backend,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         compile=args.compile,

@@ -23,6 +23,10 @@ _DTYPES = {
 }
 
 
+# How data-parallel ranks' tokens reach the experts (vLLM's option of the same name):
+# all-gather + reduce-scatter (atom.expert_parallel.GatheredTokens) or an all-to-all to the
+# ranks of each token's experts only (atom.all_to_all_tokens).
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "all_to_all")
 # kv_cache_dtype values: "auto" stores K/V in the model dtype.
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 # mamba_ssm_cache_dtype values (vLLM's flag): what Gated DeltaNet layers store their
@@ -198,6 +202,13 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     # Data-parallel attention for MLA models: each rank its own batch, MoE expert-parallel.
     data_parallel_size: int = 1
+    all2all_backend: str = "allgather_reducescatter"  # one of ALL2ALL_BACKENDS
+
+    def __post_init__(self):
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ConfigError(
+                f"all2all_backend={self.all2all_backend!r} is not one of {list(ALL2ALL_BACKENDS)}"
+            )
 
     @property
     def world_size(self) -> int:

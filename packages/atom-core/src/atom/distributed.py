@@ -1,8 +1,8 @@
 """The tensor-parallel group the layers shard over.
 
-Layers only need a rank, a world size and two collectives. The native engine uses a
+Layers only need a rank, a world size and three collectives. The native engine uses a
 torch.distributed process group; a host plugin installs its own group (e.g. vLLM's
-`get_tp_group()`), wrapped in an object with the same four members.
+`get_tp_group()`), wrapped in an object with the same five members.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import torch.distributed as dist
 
 from atom.symmetric_all_reduce import SymmetricAllReduce
 
+# torch 2.13 deprecates reduce_scatter_tensor for this name; 2.11 has only the old one.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class TensorParallelGroup(Protocol):
     rank: int
@@ -22,6 +25,11 @@ class TensorParallelGroup(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of x, of which rank r gets the r-th of world_size equal
+        chunks of rows (dim 0)."""
+        ...
 
 
 class SingleProcessGroup:
@@ -32,6 +40,9 @@ class SingleProcessGroup:
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return x
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
 
@@ -59,6 +70,28 @@ class TorchDistributedGroup:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        # NCCL moves 1/N of the bytes of an all-reduce; gloo (CPU tests) runs it as an
+        # all-reduce of which each rank keeps its chunk.
+        out = x.new_empty(x.shape[0] // self.world_size, *x.shape[1:])
+        _reduce_scatter_single(out, x.contiguous(), group=self.group)
+        return out
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        send_rows: list[int] | None = None,
+        receive_rows: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Rows of x to each rank in turn, send_rows[r] of them to rank r; returns the rows
+        received, receive_rows[r] of them from rank r, in rank order. Without the counts:
+        equal shares. Only the native engine's data-parallel exchange needs it, so hosts'
+        groups need not offer it."""
+        rows = x.shape[0] if receive_rows is None else sum(receive_rows)
+        out = x.new_empty(rows, *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), receive_rows, send_rows, group=self.group)
+        return out
 
 
 _tp_group: TensorParallelGroup = SingleProcessGroup()

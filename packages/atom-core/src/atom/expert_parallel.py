@@ -14,11 +14,12 @@ How tokens reach the experts depends on where they live, one `TokenExchange` eac
   it every rank holds every token: dispatch moves nothing and combine is one all-reduce
   (the same collective a TP MoE layer ends with).
 - `GatheredTokens`: data-parallel attention. Every rank holds only its own batch's tokens:
-  dispatch all-gathers them with their routing, combine sums the experts' outputs and
-  gives each rank back its own rows.
+  dispatch all-gathers them with their routing, combine reduce-scatters the experts'
+  outputs so that each rank receives the sums of its own rows only.
+- `AllToAllTokens` (atom.all_to_all_tokens): data-parallel attention, each token sent only
+  to the ranks that hold one of its top-k experts and its partial outputs sent back.
 
-Combine is one method so that an all-to-all (each token sent only to the ranks of its
-top-k experts) can replace the gather and the sum without touching the layers.
+The engine's `all2all_backend` picks one of the last two (vLLM's option of that name).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class ExpertPlacement:
         local = expert_id - self.first
         return local if 0 <= local < self.count else None
 
+    def owner_ranks(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The rank that holds each routed expert."""
+        return topk_ids // self.count
+
     def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Global routed ids -> local ids; other ranks' experts become `count`, which the
         kernels skip (one elementwise op, no host sync: capturable)."""
@@ -66,9 +71,14 @@ class ExpertPlacement:
 
 class TokenExchange(Protocol):
     def dispatch(
-        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        placement: ExpertPlacement,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's tokens and routing -> the tokens this rank's experts must see."""
+        """This rank's tokens and routing (global expert ids) -> the tokens this rank's
+        experts must see, with theirs."""
         ...
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
@@ -83,7 +93,7 @@ class ReplicatedTokens:
     def __init__(self, group: TensorParallelGroup):
         self.group = group
 
-    def dispatch(self, hidden, topk_weights, topk_ids):
+    def dispatch(self, hidden, topk_weights, topk_ids, placement):
         return hidden, topk_weights, topk_ids
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
@@ -121,26 +131,27 @@ class GatheredTokens:
             )
         return counts
 
-    def _gather(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """All ranks' rows, in rank order. Padded to the largest count, since collectives
-        move equal shapes."""
-        most = max(counts)
-        padded = x.new_zeros(most, *x.shape[1:])
+    def _gather(self, x: torch.Tensor, counts: list[int], fill: int = 0) -> torch.Tensor:
+        """All ranks' rows in rank order, each rank's padded with `fill` to the largest
+        count: collectives move equal shapes, and the padded layout is the one combine's
+        reduce-scatter splits into the ranks' shares."""
+        padded = x.new_full((max(counts), *x.shape[1:]), fill)
         padded[: x.shape[0]] = x
-        everyone = self.group.all_gather(padded, dim=0)
-        return torch.cat([everyone[r * most : r * most + n] for r, n in enumerate(counts)])
+        return self.group.all_gather(padded, dim=0)
 
-    def dispatch(self, hidden, topk_weights, topk_ids):
+    def dispatch(self, hidden, topk_weights, topk_ids, placement):
         counts = self._counts(hidden.shape[0])
-        return tuple(self._gather(x, counts) for x in (hidden, topk_weights, topk_ids))
+        # Padding rows route to expert -1, which no rank holds: the kernels skip them.
+        return (
+            self._gather(hidden, counts),
+            self._gather(topk_weights, counts),
+            self._gather(topk_ids, counts, fill=-1),
+        )
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
-        # The simplest correct sum: every rank gets all rows and keeps its own. A
-        # reduce-scatter (or all-to-all) moves 1/N of it.
-        counts = self.tokens_per_rank
-        start = sum(counts[: self.group.rank])
-        summed = self.group.all_reduce(expert_out)
-        return summed[start : start + counts[self.group.rank]]
+        # Each rank receives only its padded share of the sums: 1/N of an all-reduce's rows.
+        own = self.group.reduce_scatter(expert_out)
+        return own[: self.tokens_per_rank[self.group.rank]]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 
 from atom import LLM, SamplingParams
+from atom.all_to_all_tokens import AllToAllTokens
+from atom.expert_parallel import get_expert_parallel
 from atom.layers.moe import FusedMoE
 from atom.testing import references
 from tests.engine.test_logits_processors import AllowedSet
@@ -83,12 +85,21 @@ def test_data_parallel_attention_greedy_matches_hf(tmp_path, name):
 def test_data_parallel_preemption_stays_within_a_rank(tmp_path):
     """Pools of 9 pages of 4 tokens per rank hold one of these sequences (up to 8 pages)
     but not two: each rank preempts within its own block manager and recomputes, and the
-    tokens stay HF's."""
+    tokens stay HF's. The tokens reach the experts by all-to-all here (the test above:
+    all-gather + reduce-scatter)."""
     folder = write_with_random_vectors(CASES["deepseek-v2-mla"], tmp_path)
     prompts = make_prompts(256, [17, 9, 20, 12], seed=11)
     expected = references.hf_greedy(folder, prompts, max_tokens=12)
-    llm = LLM(str(folder), **ENGINE, **DATA_PARALLEL, num_blocks=9, enable_prefix_caching=False)
+    llm = LLM(
+        str(folder),
+        **ENGINE,
+        **DATA_PARALLEL,
+        num_blocks=9,
+        enable_prefix_caching=False,
+        all2all_backend="all_to_all",
+    )
     try:
+        assert isinstance(get_expert_parallel().exchange, AllToAllTokens)
         outputs = llm.generate(prompts, greedy(12), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         assert all(s.num_preemptions > 0 for s in llm.engine.scheduler.schedulers)

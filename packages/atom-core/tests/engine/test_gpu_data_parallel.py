@@ -1,7 +1,8 @@
 """Data-parallel attention on 2 GPUs (NCCL, Triton kernels): each GPU runs its own batch
 with the whole MLA attention and half of the experts, and the greedy tokens equal HF
-transformers' in fp32. CUDA graphs are off under DP (one log line), so the cuda-graphs
-case checks that asking for them runs eagerly and right. One command on the lent 2-GPU
+transformers' in fp32, with either token exchange (all2all_backend: NCCL's reduce-scatter,
+all_to_all_single with uneven and zero splits). CUDA graphs are off under DP (one log
+line), so the cuda-graphs case checks that asking for them runs eagerly and right. One command on the lent 2-GPU
 machine: `pytest -m gpu tests/engine/test_gpu_data_parallel.py`."""
 
 from __future__ import annotations
@@ -34,8 +35,21 @@ def test_gpu_data_parallel_attention_greedy_matches_hf(tmp_path, name, enforce_e
     )
 
 
-def test_gpu_data_parallel_idle_rank_runs_zero_token_steps(tmp_path):
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_data_parallel_all_to_all_greedy_matches_hf(tmp_path, name):
+    check_greedy_on_gpu(
+        write_with_random_vectors(CASES[name], tmp_path),
+        True,
+        **DATA_PARALLEL,
+        all2all_backend="all_to_all",
+    )
+
+
+@pytest.mark.parametrize("all2all_backend", ["allgather_reducescatter", "all_to_all"])
+def test_gpu_data_parallel_idle_rank_runs_zero_token_steps(tmp_path, all2all_backend):
     """One prompt on two GPUs: the other rank's forwards have no tokens (empty attention
     metadata, zero-row routing) and its MoE collectives still meet rank 0's."""
     folder = write_with_random_vectors(CASES["deepseek-v3-mla"], tmp_path)
-    check_greedy_generation(folder, [37], 12, device="cuda", **DATA_PARALLEL)
+    check_greedy_generation(
+        folder, [37], 12, device="cuda", **DATA_PARALLEL, all2all_backend=all2all_backend
+    )

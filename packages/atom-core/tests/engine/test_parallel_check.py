@@ -55,6 +55,8 @@ BAD_SETTINGS = {
     "dp-with-tp": ("mla", dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True), r"runs each rank's attention whole"),
     "dp-experts": ("mla", dict(data_parallel_size=3, enable_expert_parallel=True), r"is not divisible by the expert-parallel size 3"),
     "zero-ranks": ("dense", dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be at least 1"),
+    "all2all-backend": ("mla", dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="deepep"), r"all2all_backend='deepep' is not one of \['allgather_reducescatter', 'all_to_all'\]"),
+    "all-to-all-without-dp": ("moe-6-experts", dict(tensor_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all"), r"all2all_backend='all_to_all' needs data_parallel_size > 1"),
 }  # fmt: skip
 
 
@@ -67,6 +69,10 @@ def test_bad_parallel_setting_is_one_clear_error(checkpoints, name):
 
 VALID_SETTINGS = {
     "dp-attention": ("mla", dict(data_parallel_size=2, enable_expert_parallel=True)),
+    "dp-attention-all-to-all": (
+        "mla",
+        dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all"),
+    ),
     "ep-with-tp": ("moe-6-experts", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
 }
 

@@ -5,7 +5,8 @@ experts, whole:
   single-process model;
 - with data-parallel attention (MLA), each rank runs its own prompts (other lengths,
   another count) with whole attention weights, and gets the logits the single-process
-  model gives for those prompts.
+  model gives for those prompts, with either token exchange (all-gather +
+  reduce-scatter, all-to-all).
 
 All cases run in one pair of processes: starting them costs more than the models. GLM-4.5
 and DeepSeek-V3 use DeepSeek-V2's MoE block, MiniMax-M2 Mixtral's, Qwen3-Next (and
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from atom.all_to_all_tokens import AllToAllTokens
 from atom.config import ModelConfig
 from atom.distributed import SingleProcessGroup, TorchDistributedGroup, set_tp_group
 from atom.engine.model_runner import build_model
@@ -43,6 +45,7 @@ TP_ATTENTION_CASES = {
     "gpt-oss": TP_CASES["gpt-oss-sinks-expert-biases"],
 }
 DP_ATTENTION_CASES = {"deepseek-v2-mla-shared-dense1"}
+DP_EXCHANGES = (GatheredTokens, AllToAllTokens)
 PROMPTS_OF_DP_RANK = [(13, 6), (5,)]
 
 
@@ -61,10 +64,10 @@ def run_tp_attention(folders: dict[str, str]) -> dict:
     return {name: (experts_held(f), run_prefill_and_decode(f)) for name, f in folders.items()}
 
 
-def run_dp_attention(folders: dict[str, str], rank: int) -> dict:
+def run_dp_attention(folders: dict[str, str], rank: int, exchange_type) -> dict:
     world = TorchDistributedGroup()
     set_tp_group(SingleProcessGroup())  # attention, dense layers, embeddings: whole
-    exchange = GatheredTokens(world)
+    exchange = exchange_type(world)
     set_expert_parallel(ExpertParallel(world, exchange))
 
     def exchange_token_counts(num_tokens: int) -> None:
@@ -84,7 +87,7 @@ def _worker(rank: int, port: int, folders: dict[str, str], result_file: str) -> 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         tp_attention = run_tp_attention(folders)
-        dp_attention = run_dp_attention(folders, rank)
+        dp_attention = {e.__name__: run_dp_attention(folders, rank, e) for e in DP_EXCHANGES}
         everyone = [None, None]
         dist.all_gather_object(everyone, dp_attention)
         if rank == 0:
@@ -114,5 +117,7 @@ def test_expert_parallel_with_tp_and_with_dp_attention_matches_single_process(tm
     for name in DP_ATTENTION_CASES:
         for rank, prompt_lengths in enumerate(PROMPTS_OF_DP_RANK):
             expected = run_prefill_and_decode(folders[name], prompt_lengths)
-            actual = dp_attention[rank][name]
-            torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0, msg=f"{name} {rank}")
+            for exchange in DP_EXCHANGES:
+                actual = dp_attention[rank][exchange.__name__][name]
+                what = f"{name} {exchange.__name__} rank {rank}"
+                torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0, msg=what)

@@ -15,9 +15,9 @@ every rank holds every token and the experts' outputs meet in one all-reduce.
 With data_parallel_size N (data-parallel attention, MLA models), the N ranks each hold
 the whole model but their share of the experts, their own KV cache and their own batch:
 the tensor-parallel group is each rank alone, the expert-parallel group is the world
-with `GatheredTokens`. Rank 0 broadcasts every rank's part of a step in one message
-(`RankStep`s, whose token counts `GatheredTokens` needs before the forward); every rank
-runs a forward, one with nothing scheduled a zero-token one, since the MoE collectives
+with `GatheredTokens` or `AllToAllTokens` (all2all_backend). Rank 0 broadcasts every
+rank's part of a step in one message (`RankStep`s, whose token counts `GatheredTokens`
+needs before the forward); every rank runs a forward, one with nothing scheduled a zero-token one, since the MoE collectives
 need all of them; each samples its own rows and rank 0 gathers the results.
 """
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from atom.all_to_all_tokens import AllToAllTokens
 from atom.config import ConfigError, EngineConfig
 from atom.distributed import SingleProcessGroup, TorchDistributedGroup, set_tp_group
 from atom.engine.kv_groups import KVCacheLayout, plan_kv_groups
@@ -78,7 +79,9 @@ def _init_group(config: EngineConfig, rank: int, port: int) -> dist.ProcessGroup
     if config.parallel.data_parallel_size > 1:
         # Attention, dense layers, embeddings and LM head whole on every rank.
         set_tp_group(SingleProcessGroup())
-        set_expert_parallel(ExpertParallel(group, GatheredTokens(group)))
+        all_to_all = config.parallel.all2all_backend == "all_to_all"
+        exchange = AllToAllTokens(group) if all_to_all else GatheredTokens(group)
+        set_expert_parallel(ExpertParallel(group, exchange))
     else:
         set_tp_group(group)
         if config.parallel.enable_expert_parallel:

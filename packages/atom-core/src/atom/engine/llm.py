@@ -53,6 +53,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         data_parallel_size: int = 1,
+        all2all_backend: str = "allgather_reducescatter",
         enforce_eager: bool = False,
         compile: bool = False,
         skip_tokenizer_init: bool = False,
@@ -67,7 +68,10 @@ class LLM:
         data_parallel_size: MLA models, with enable_expert_parallel: that many GPUs (CPU
         processes), each with the whole attention, its own KV cache and its own batch, the
         MoE experts split over them; max_num_seqs and max_num_batched_tokens are per rank,
-        and stats() sums the ranks' pools (docs/architecture.md, "Parallelism")."""
+        and stats() sums the ranks' pools (docs/architecture.md, "Parallelism").
+        all2all_backend: how those ranks' tokens reach the experts, as vLLM's option:
+        "allgather_reducescatter" (every token to every rank) or "all_to_all" (each token
+        to its experts' ranks only, after a host sync per MoE layer)."""
         speculative = (
             SpeculativeConfig.from_dict(speculative_config) if speculative_config else None
         )
@@ -89,7 +93,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
             ),
             parallel=ParallelConfig(
-                tensor_parallel_size, enable_expert_parallel, data_parallel_size
+                tensor_parallel_size, enable_expert_parallel, data_parallel_size, all2all_backend
             ),
             device=device,
             max_num_seqs=max_num_seqs or default_seqs,

@@ -124,6 +124,9 @@ class LLMEngine:
             logger.info("async scheduling is off: speculative decoding verifies on the host")
             async_scheduling = False
         if self.data_parallel_size > 1:
+            logger.info(
+                "data-parallel MoE tokens reach the experts by %s", config.parallel.all2all_backend
+            )
             if config.use_cuda_graphs:
                 logger.info(
                     "CUDA graphs are off: data-parallel attention runs every rank's step "

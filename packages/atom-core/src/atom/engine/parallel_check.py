@@ -61,6 +61,11 @@ def check_parallel(config: EngineConfig) -> None:
         raise ConfigError(
             f"enable_expert_parallel: {entry.architecture} is a dense model (no MoE experts)"
         )
+    if parallel.all2all_backend == "all_to_all" and parallel.data_parallel_size == 1:
+        raise ConfigError(
+            "all2all_backend='all_to_all' needs data_parallel_size > 1: with tensor-parallel "
+            "attention every rank holds every token, and nothing moves before the experts"
+        )
     if parallel.data_parallel_size > 1:
         _check_data_parallel_attention(parallel, entry.architecture, entry.attention)
         if config.speculative is not None:

@@ -206,7 +206,7 @@ class FusedMoE(nn.Module):
     def _forward_expert_parallel(self, hidden_states, topk_weights, topk_ids) -> torch.Tensor:
         exchange = self.ep.exchange
         hidden_states, topk_weights, topk_ids = exchange.dispatch(
-            hidden_states, topk_weights, topk_ids
+            hidden_states, topk_weights, topk_ids, self.placement
         )
         local_ids = self.placement.local_ids(topk_ids)
         return exchange.combine(
