@@ -18,6 +18,8 @@ from typing import Any
 import sglang_cpu_support
 
 from atom.testing import random_prompts
+from atom.testing.bench_check import TOP_K as CHECK_TOP_K
+from atom.testing.bench_check import check_against_hf, check_streams
 
 HERE = Path(__file__).parent
 JOB_SCRIPT = HERE / "sglang_job.py"
@@ -66,6 +68,7 @@ class Run:
     engine: dict[str, Any]
     rounds: list[dict[str, Any]]
     env: dict[str, str] = field(default_factory=dict)
+    check: bool = False  # also `atom bench check`'s streams (atom.testing.bench_check)
 
 
 @dataclass
@@ -73,6 +76,7 @@ class RunResult:
     name: str
     rounds: dict[str, list[dict[str, Any]]]
     log: str
+    check: list | None = None  # the check streams' positions (teacher_forcing.to_json)
 
     def tokens(self) -> dict[str, list[list[int]]]:
         return {name: [r["token_ids"] for r in outs] for name, outs in self.rounds.items()}
@@ -93,6 +97,7 @@ def _run_job(runs: list[Run], workdir: Path, index: int, timeout: float) -> dict
             "env": r.env,
             "rounds": r.rounds,
             "max_tokens": MAX_TOKENS,
+            "check": r.check and {"streams": check_streams(r.model), "top_k": CHECK_TOP_K},
         }
         for r in runs
     ]
@@ -121,7 +126,9 @@ def _run_job(runs: list[Run], workdir: Path, index: int, timeout: float) -> dict
             if "error" in data:
                 results[data["name"]] = RunFailed(f"{data['name']}: {data['error']}\n{log[-6000:]}")
             else:
-                results[data["name"]] = RunResult(data["name"], data["rounds"], log)
+                results[data["name"]] = RunResult(
+                    data["name"], data["rounds"], log, data.get("check")
+                )
             name = None
         elif name is not None:
             lines.append(line)
@@ -152,3 +159,12 @@ def result_of(results: dict[str, Any], name: str) -> RunResult:
     if isinstance(value, BaseException):
         raise value
     return value
+
+
+def assert_passes_the_check(result: RunResult, model: Path) -> None:
+    """`atom bench check`'s float32 verdict on a run with `check=True`: its engine's
+    teacher-forced positions against HF transformers on the same checkpoint."""
+    row = check_against_hf(model, result.check)
+    assert row["passed"] and row["positions"] == 78 and row["top1_agreement"] == 1.0, (
+        result.name, row
+    )  # fmt: skip

@@ -6,11 +6,13 @@ scheduler is a fresh subprocess, which reads the environment set for it here). T
 file holds a list of runs:
 
     [{"name": str, "model": path, "engine": {Engine kwargs}, "env": {VAR: value},
-      "max_tokens": n, "rounds": [{"name": str, "prompts": [[token ids], ...]}, ...]}]
+      "max_tokens": n, "rounds": [{"name": str, "prompts": [[token ids], ...]}, ...],
+      "check": {"streams": [[token ids], ...], "top_k": k}}]
 
 Before each engine, `ATOM_JOB_BEGIN <name>` is printed (to split the log); after it,
 `ATOM_JOB_RESULT {...}` with the run's name and, per round, each prompt's generated
-token ids and SGLang's `cached_tokens`.
+token ids and SGLang's `cached_tokens`, and (with "check") each stream's prompt logprobs,
+as `atom bench check`'s SGLang job reports them (`atom.testing.bench_check`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def run(spec: dict) -> dict:
     init_s = time.perf_counter() - started
     params = {"temperature": 0.0, "max_new_tokens": spec["max_tokens"], "ignore_eos": True}
     rounds = {}
+    check = None
     try:
         for r in spec["rounds"]:
             outputs = engine.generate(input_ids=r["prompts"], sampling_params=params)
@@ -43,9 +46,15 @@ def run(spec: dict) -> dict:
                 }
                 for o in outputs
             ]
+        if spec.get("check"):
+            from atom.bench.driver import sglang_prompt_logprobs
+            from atom.bench.teacher_forcing import to_json
+
+            streams, top_k = spec["check"]["streams"], spec["check"]["top_k"]
+            check = to_json(sglang_prompt_logprobs(engine, streams, top_k))
     finally:
         engine.shutdown()
-    return {"name": spec["name"], "rounds": rounds, "init_s": init_s}
+    return {"name": spec["name"], "rounds": rounds, "init_s": init_s, "check": check}
 
 
 def main(job_path: str) -> None:

@@ -19,7 +19,16 @@ from __future__ import annotations
 import re
 
 import pytest
-from sglang_harness import ENGINE, MAX_TOKENS, PREFIX_LEN, Run, result_of, rounds, run_jobs
+from sglang_harness import (
+    ENGINE,
+    MAX_TOKENS,
+    PREFIX_LEN,
+    Run,
+    assert_passes_the_check,
+    result_of,
+    rounds,
+    run_jobs,
+)
 
 from atom.registry import get_entry
 from atom.testing import hf_greedy, tiny_config, write_checkpoint
@@ -100,7 +109,9 @@ def unaligned(tmp_path_factory):
 def runs(checkpoints, unaligned, tmp_path_factory):
     def run(name: str, arch: str, engine: dict, env: dict | None = None) -> Run:
         model = unaligned[arch] if arch in UNALIGNED else checkpoints(arch)
-        return Run(name, model, engine, rounds(seed_of(arch)), env or {})
+        # ATOM's run of each family also reads `atom bench check`'s streams.
+        check = name == f"{arch}-atom" and arch in ARCHS
+        return Run(name, model, engine, rounds(seed_of(arch)), env or {}, check)
 
     def reference(arch: str) -> Run:
         engine, env = REFERENCE[arch]
@@ -152,6 +163,7 @@ def test_atom_equals_hf_and_sglang(runs, checkpoints, arch):
     assert_same(atom.tokens(), hf_reference(checkpoints, arch), f"SGLang+ATOM {arch} vs HF")
     if arch not in HF_ONLY:
         assert_same(atom.tokens(), result_of(runs, f"{arch}-sglang").tokens(), "ATOM vs SGLang")
+    assert_passes_the_check(atom, checkpoints(arch))
     if arch in HYBRID_SWA:
         assert_hybrid_swa_pool_used(atom)
     else:

@@ -19,7 +19,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from sglang_harness import ENGINE, MAX_TOKENS, Run, result_of, rounds, run_jobs
+from sglang_harness import (
+    ENGINE,
+    MAX_TOKENS,
+    Run,
+    assert_passes_the_check,
+    result_of,
+    rounds,
+    run_jobs,
+)
 
 from atom.testing import hf_greedy
 from atom_sglang import served_architectures
@@ -67,7 +75,7 @@ def models(checkpoints, tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
     job = [
-        Run(f"{arch}-atom", models[arch], ATOM, rounds(seed_of(arch)), FP32_CONV_STATE)
+        Run(f"{arch}-atom", models[arch], ATOM, rounds(seed_of(arch)), FP32_CONV_STATE, True)
         for arch in HYBRIDS
         if arch in SERVED
     ]
@@ -82,6 +90,7 @@ def test_greedy_tokens_equal_hf(runs, models, arch):
     for spec in rounds(seed_of(arch)):
         want = hf_greedy(models[arch], spec["prompts"], MAX_TOKENS)
         assert result.tokens()[spec["name"]] == want, spec["name"]
+    assert_passes_the_check(result, models[arch])
 
 
 @pytest.mark.parametrize("arch", HYBRIDS)

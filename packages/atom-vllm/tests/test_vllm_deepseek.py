@@ -18,6 +18,7 @@ from vllm_harness import (
     ENGINE,
     PREFIX_BLOCKS,
     Job,
+    assert_passes_the_check,
     native_greedy,
     result_of,
     rounds,
@@ -52,7 +53,7 @@ def fp8_checkpoint(checkpoints, tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(checkpoints, fp8_checkpoint, tmp_path_factory):
     jobs = [
-        Job(f"{arch}-atom", checkpoints(arch), ENGINE, rounds(20 + i), env=env)
+        Job(f"{arch}-atom", checkpoints(arch), ENGINE, rounds(20 + i), env=env, check=True)
         for i, (arch, env) in enumerate(CASES.items())
         if arch in SERVED
     ]
@@ -92,6 +93,7 @@ def test_mla_greedy_tokens_equal_hf(runs, checkpoints, arch):
         got = [r["token_ids"] for r in result.rounds[spec["name"]]]
         want = hf_greedy(checkpoints(arch), spec["prompts"], 8)
         assert got == want, f"{arch} round {spec['name']!r}: vLLM+ATOM {got} != HF {want}"
+    assert_passes_the_check(result, checkpoints(arch))
     # vLLM's CPU platform keeps chunked prefill and prefix caching for MLA on CPUs with
     # AMX (vllm/platforms/cpu.py, 0.32) and turns them off elsewhere; V3 has them on both.
     chunked = "MLA is enabled on a non-GPU platform" not in result.log

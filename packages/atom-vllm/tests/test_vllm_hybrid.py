@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from vllm_harness import ENGINE, Job, result_of, rounds, run_jobs
+from vllm_harness import ENGINE, Job, assert_passes_the_check, result_of, rounds, run_jobs
 
 from atom.layers.gated_delta_net import config_state_shapes
 from atom.testing import hf_greedy
@@ -32,7 +32,7 @@ TP2 = (os.cpu_count() or 1) >= 2
 def runs(checkpoints, tmp_path_factory):
     atom = {**ENGINE, "model_impl": "atom"}
     jobs = [
-        Job(f"{arch}-atom", checkpoints(arch), atom, rounds(20 + i))
+        Job(f"{arch}-atom", checkpoints(arch), atom, rounds(20 + i), check=True)
         for i, arch in enumerate(HYBRIDS)
         if arch in SERVED
     ]
@@ -40,7 +40,8 @@ def runs(checkpoints, tmp_path_factory):
         # Each rank holds one of the two key heads (and its value heads): half the states.
         tp2 = {**atom, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
-        jobs.append(Job(f"{HYBRIDS[0]}-atom-tp2", checkpoints(HYBRIDS[0]), tp2, rounds(20), env))
+        model = checkpoints(HYBRIDS[0])
+        jobs.append(Job(f"{HYBRIDS[0]}-atom-tp2", model, tp2, rounds(20), env, check=True))
     return run_jobs(jobs, tmp_path_factory.mktemp("vllm-hybrid"))
 
 
@@ -56,6 +57,7 @@ def test_greedy_tokens_equal_hf(runs, checkpoints, arch):
     for spec in rounds(20 + HYBRIDS.index(arch)):
         got = [r["token_ids"] for r in result.rounds[spec["name"]]]
         assert got == hf_greedy(checkpoints(arch), spec["prompts"], 8), spec["name"]
+    assert_passes_the_check(result, checkpoints(arch))
 
 
 @pytest.mark.parametrize("arch", HYBRIDS)
@@ -98,6 +100,7 @@ def test_tensor_parallel_states_are_sharded_and_tokens_equal_hf(runs, checkpoint
     for spec in rounds(20):
         got = [r["token_ids"] for r in result.rounds[spec["name"]]]
         assert got == hf_greedy(checkpoints(arch), spec["prompts"], 8), spec["name"]
+    assert_passes_the_check(result, checkpoints(arch))
     config = AutoConfig.from_pretrained(checkpoints(arch))
     want = [[list(s), str(d)] for s, d in config_state_shapes(config, 2, torch.float32)]
     assert len(result.probe) == 2

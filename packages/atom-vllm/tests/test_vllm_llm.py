@@ -30,6 +30,7 @@ from vllm_harness import (
     ENGINE,
     PREFIX_BLOCKS,
     Job,
+    assert_passes_the_check,
     native_greedy,
     result_of,
     rounds,
@@ -88,7 +89,8 @@ def runs(checkpoints, fp8_checkpoint, tmp_path_factory):
         # Llama's run keeps vLLM's engine-core process (vllm_harness runs the core in the
         # job's process): test_plugin_logs_served_architectures_in_every_process.
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if arch == "LlamaForCausalLM" else {}
-        jobs.append(Job(f"{arch}-atom", model, {**ENGINE, "model_impl": impl}, rounds(i), env))
+        atom = {**ENGINE, "model_impl": impl}
+        jobs.append(Job(f"{arch}-atom", model, atom, rounds(i), env, check=True))
         if arch not in HF_ONLY:
             env = {"ATOM_DISABLE_VLLM_PLUGIN": "1"}
             jobs.append(Job(f"{arch}-stock", model, ENGINE, rounds(i), env=env))
@@ -167,6 +169,12 @@ def test_greedy_tokens_equal_vllm_own_model_or_hf(runs, checkpoints, arch):
         else:
             want = tokens(result_of(runs, f"{arch}-stock"), name)
             assert got == want, f"{arch} round {name!r}: ATOM {got} != vLLM {want}"
+
+
+@pytest.mark.parametrize("arch", CANDIDATES)
+def test_atom_bench_check_against_hf_float32(runs, checkpoints, arch):
+    needs(arch)
+    assert_passes_the_check(result_of(runs, f"{arch}-atom"), checkpoints(arch))
 
 
 @pytest.mark.parametrize("arch", CANDIDATES)

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from atom.testing import random_prompts
+from atom.testing.bench_check import TOP_K as CHECK_TOP_K
+from atom.testing.bench_check import check_against_hf, check_streams
 
 HERE = Path(__file__).parent
 JOB_SCRIPT = HERE / "vllm_job.py"
@@ -78,6 +80,7 @@ class Job:
     max_tokens: int = 8
     probe: bool = True
     lora: Path | None = None  # a PEFT adapter every round generates with
+    check: bool = False  # also `atom bench check`'s streams (atom.testing.bench_check)
 
 
 @dataclass
@@ -89,6 +92,7 @@ class JobResult:
     wall_s: float
     init_s: float
     spec_decode: dict[str, Any] | None = None
+    check: list | None = None  # the check streams' positions (teacher_forcing.to_json)
 
 
 class JobFailed(AssertionError):
@@ -124,6 +128,8 @@ def _run_job(job: Job, workdir: Path, core: int | None, timeout: float) -> JobRe
         "probe": job.probe,
         "lora": str(job.lora) if job.lora else None,
     }
+    if job.check:
+        spec["check"] = {"streams": check_streams(job.model), "top_k": CHECK_TOP_K}
     job_file = workdir / f"{job.name}.json"
     job_file.write_text(json.dumps(spec))
     started = time.perf_counter()
@@ -149,6 +155,7 @@ def _run_job(job: Job, workdir: Path, core: int | None, timeout: float) -> JobRe
         wall,
         data["init_s"],
         data.get("spec_decode"),
+        data.get("check"),
     )
 
 
@@ -192,6 +199,15 @@ def result_of(results: dict[str, Any], name: str) -> JobResult:
     if isinstance(value, BaseException):
         raise value
     return value
+
+
+def assert_passes_the_check(result: JobResult, model: Path) -> None:
+    """`atom bench check`'s float32 verdict on a job run with `check=True`: its engine's
+    teacher-forced positions against HF transformers on the same checkpoint."""
+    row = check_against_hf(model, result.check)
+    assert row["passed"] and row["positions"] == 78 and row["top1_agreement"] == 1.0, (
+        result.name, row
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the rounds

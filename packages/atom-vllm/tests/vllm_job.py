@@ -4,7 +4,8 @@ Run as `python vllm_job.py job.json` (the tests start one such process per engin
 configuration, because an engine start costs 20-45 s here). The job file holds:
 
     {"model": path, "engine": {LLM kwargs}, "max_tokens": n, "probe": bool,
-     "rounds": [{"name": str, "prompts": [[token ids], ...]}, ...], "lora": path}
+     "rounds": [{"name": str, "prompts": [[token ids], ...]}, ...], "lora": path,
+     "check": {"streams": [[token ids], ...], "top_k": k}}
 
 ("lora", optional: a PEFT adapter every round generates with; the engine needs
 `enable_lora`.)
@@ -13,7 +14,9 @@ The result line is `ATOM_JOB_RESULT {...}` with, per round, each prompt's genera
 token ids and `num_cached_tokens`, vLLM's speculative-decoding counters (`spec_decode`,
 engines with `disable_log_stats=False` only), and (with "probe") what each worker actually built
 (`atom_vllm.report.describe_model` through `LLM.apply_model`, which needs
-VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the environment).
+VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the environment), and (with "check") each
+stream's prompt logprobs, as `atom bench check`'s vLLM job reports them
+(`atom.testing.bench_check`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,13 @@ def main(job_path: str) -> None:
             for m in llm.get_metrics()
             if m.name.startswith("vllm:spec_decode_")
         }
+    if job.get("check"):
+        from atom.bench.driver import vllm_prompt_logprobs
+        from atom.bench.teacher_forcing import to_json
+
+        check = job["check"]
+        positions = vllm_prompt_logprobs(llm, SamplingParams, check["streams"], check["top_k"])
+        result["check"] = to_json(positions)
     if job.get("probe"):
         from atom_vllm.report import describe_model
 

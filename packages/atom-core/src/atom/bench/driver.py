@@ -123,16 +123,7 @@ class VllmEngine:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def prompt_logprobs(self, streams: list[list[int]], k: int) -> list[list[Position]]:
-        params = self.params(max_tokens=1, prompt_logprobs=k, detokenize=False)
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": s} for s in streams], params, use_tqdm=False
-        )
-        return [
-            from_entries(
-                [row and {t: lp.logprob for t, lp in row.items()} for row in o.prompt_logprobs], s
-            )
-            for o, s in zip(outputs, streams)
-        ]
+        return vllm_prompt_logprobs(self.llm, self.params, streams, k)
 
     # The bench runs vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0 when it profiles.
     trace = staticmethod(in_process_trace)
@@ -163,28 +154,7 @@ class SglangEngine:
         return [list(o["output_ids"]) for o in outputs]
 
     def prompt_logprobs(self, streams: list[list[int]], k: int) -> list[list[Position]]:
-        outputs = self.engine.generate(
-            input_ids=streams,
-            sampling_params={"temperature": 0.0, "max_new_tokens": 1},
-            return_logprob=True,
-            logprob_start_len=0,
-            top_logprobs_num=k,
-        )
-        # (logprob, token, text) tuples; the first position has no logprob, and positions
-        # may lack their top list.
-        return [
-            from_entries(
-                [
-                    None if lp is None else {token: lp} | {t: v for v, t, _ in top or ()}
-                    for (lp, token, _), top in zip(
-                        o["meta_info"]["input_token_logprobs"],
-                        o["meta_info"]["input_top_logprobs"],
-                    )
-                ],
-                s,
-            )
-            for o, s in zip(outputs, streams)
-        ]
+        return sglang_prompt_logprobs(self.engine, streams, k)
 
     @contextmanager
     def trace(self, stem: Path) -> Iterator[list[Path]]:
@@ -199,6 +169,45 @@ class SglangEngine:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def vllm_prompt_logprobs(llm, sampling_params, streams: list[list[int]], k: int):
+    """Each stream's positions from a running `vllm.LLM` (its `SamplingParams` class
+    given): also what the host suites' engine jobs report for their teacher-forced check."""
+    params = sampling_params(max_tokens=1, prompt_logprobs=k, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": s} for s in streams], params, use_tqdm=False)
+    return [
+        from_entries(
+            [row and {t: lp.logprob for t, lp in row.items()} for row in o.prompt_logprobs], s
+        )
+        for o, s in zip(outputs, streams)
+    ]
+
+
+def sglang_prompt_logprobs(engine, streams: list[list[int]], k: int) -> list[list[Position]]:
+    """Each stream's positions from a running `sglang.Engine`."""
+    outputs = engine.generate(
+        input_ids=streams,
+        sampling_params={"temperature": 0.0, "max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=k,
+    )
+    # (logprob, token, text) tuples; the first position has no logprob, and positions
+    # may lack their top list.
+    return [
+        from_entries(
+            [
+                None if lp is None else {token: lp} | {t: v for v, t, _ in top or ()}
+                for (lp, token, _), top in zip(
+                    o["meta_info"]["input_token_logprobs"],
+                    o["meta_info"]["input_top_logprobs"],
+                )
+            ],
+            s,
+        )
+        for o, s in zip(outputs, streams)
+    ]
 
 
 class HfEngine:
