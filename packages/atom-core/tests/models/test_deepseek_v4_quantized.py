@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from atom import LLM
 from atom.config import ConfigError, ModelConfig
 from atom.engine.model_runner import StepInput, build_model
+from atom.loader import CheckpointError
 from atom.models.deepseek_v4 import released_name
 from atom.testing import random_prompts, tiny_config
 from atom.testing.deepseek_v4_quant import (
@@ -209,3 +210,18 @@ def test_the_release_names_expert_dtype_at_the_top_level(tmp_path):
     (folder / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"quantization_config.expert_dtype='bf16' is not"):
         build_model(ModelConfig.from_pretrained(folder), "cpu", progress=False)
+
+
+def test_fp4_experts_without_expert_dtype_fail_naming_the_field(pairs, tmp_path):
+    """A release's FP4 experts under a config that leaves out expert_dtype read as FP8
+    (the default); the load fails on the first expert tensor, pointing at the field."""
+    quantized, _ = pairs("fp4")
+    (tmp_path / "model.safetensors").symlink_to(quantized / "model.safetensors")
+    raw = json.loads((quantized / "config.json").read_text())
+    raw.pop("expert_dtype", None)
+    raw["quantization_config"].pop("expert_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError) as error:
+        build_model(ModelConfig.from_pretrained(tmp_path), "cpu", progress=False)
+    assert "experts stored as FP4 need expert_dtype 'fp4'" in str(error.value)
+    assert "\n" not in str(error.value)

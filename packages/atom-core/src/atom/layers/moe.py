@@ -153,9 +153,12 @@ class FusedMoE(nn.Module):
         else:
             source = loaded.narrow(1, self.shard_rank * rows, rows)
         if source.shape != target.shape:
+            # Naming the format the config chose points at the field when a checkpoint's
+            # experts are stored otherwise (DeepSeek-V4's FP4 experts read as FP8).
+            chosen = getattr(self.quant_method, "checkpoint_format", "")
             raise ValueError(
                 f"shape mismatch: expert {expert_id} {shard_id} expects {tuple(target.shape)}, "
-                f"checkpoint slice is {tuple(source.shape)}"
+                f"checkpoint slice is {tuple(source.shape)}" + (f" ({chosen})" if chosen else "")
             )
         target.copy_(source)
 

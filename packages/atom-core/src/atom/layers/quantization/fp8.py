@@ -227,6 +227,11 @@ def _expert_param(layer, name: str, shape: tuple[int, ...], dtype, **attrs) -> N
 class Fp8BlockMoEMethod:
     """Experts with 128x128 block scales (`weight_scale_inv`), as DeepSeek-V3 ships them."""
 
+    checkpoint_format = (
+        "the config reads the experts as FP8 with block scales: quantization_config."
+        "expert_dtype is 'fp8' or absent; experts stored as FP4 need expert_dtype 'fp4'"
+    )
+
     def __init__(self, block_size: tuple[int, int]):
         self.block_size = block_size
 
