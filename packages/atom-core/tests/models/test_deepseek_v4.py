@@ -16,6 +16,7 @@ import torch
 
 from atom import LLM, SamplingParams
 from atom.config import ConfigError, ModelConfig
+from atom.cuda_graphs import graph_blockers
 from atom.engine.model_runner import build_model
 from atom.testing import random_prompts, tiny_config
 from atom.testing.trained_look import draw_hash_tables
@@ -109,6 +110,47 @@ def test_engine_chunked_prefill_and_prefix_hit_equal_hf_generate(checkpoint, cap
     assert last[0].num_cached_tokens == (len(shared) // 4) * 4
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def tokens_through_graph_buffers(folder, prompts, params, device="cpu", **llm_kwargs):
+    """(eager tokens, tokens with every decode step run on CUDA graphs' static, padded
+    buffers without capturing them: StepGraphs' capture=False), batch sizes 1, 2, 4, 8."""
+    outputs = []
+    for staged in (False, True):
+        llm = LLM(
+            str(folder), dtype="float32", device=device, skip_tokenizer_init=True,
+            block_size=4, enforce_eager=True, **llm_kwargs,
+        )  # fmt: skip
+        runner = llm.engine.executor.runner
+        if staged:
+            runner.capture_cuda_graphs(8, 128, capture=False)
+            assert runner.decode_graphs.sizes == [1, 2, 4, 8]
+        generated = llm.generate(prompts, params, use_tqdm=False)
+        outputs.append([o.outputs[0].token_ids for o in generated])
+        if staged:  # every decode step went through them (a GPU's async scheduling may add one)
+            assert runner.decode_graphs.replays >= max(p.max_tokens for p in params) - 1
+    return outputs
+
+
+def test_decode_through_static_graph_buffers_equals_eager(checkpoint):
+    """Five sequences pad to 8, then 3 to 4 as they finish at other lengths, while the
+    70-token prompt closes CSA and HCA windows in its decode steps (an HCA entry at
+    position 79)."""
+    prompts = random_prompts([LONG, 3, 23, 9, 40], seed=6)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (14, 5, 9, 3, 11)
+    ]
+    eager, staged = tokens_through_graph_buffers(checkpoint, prompts, params)
+    assert staged == eager
+
+
+def test_graph_blockers_name_the_torch_route():
+    """On the CPU the attention ops are the torch references, which loop over the
+    sequences on the host: a host must not capture them."""
+    from atom.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM(TINY)
+    assert "CompressedAttentionImpl" in graph_blockers(model, torch.device("cpu"))
 
 
 def test_engine_keeps_the_full_layout_and_says_so(checkpoint, caplog):

@@ -1,7 +1,9 @@
 """DeepSeek-V4 with its attention step on the Triton kernels equals the model on the torch
 references (atom.layers.compressed_attention_impl): the tiny model's logits over a prefix
 step, then a mixed prefill in which one sequence reads that prefix back from the pages and
-another shares its pages (a prefix hit), then decode steps, on scattered pages.
+another shares its pages (a prefix hit), then decode steps, on scattered pages. The
+Triton route is capturable and its decode steps on CUDA graphs' static, padded buffers give
+the eager tokens; on a GPU, captured graphs do.
 
 On CPU under Triton's interpreter (TRITON_INTERPRET=1, only the V4 attention ops run
 there; the rest of the model stays on torch), on a GPU otherwise; skipped without either.
@@ -14,7 +16,9 @@ import random
 import pytest
 import torch
 
+from atom import LLM, SamplingParams
 from atom.config import ModelConfig
+from atom.cuda_graphs import graph_blockers
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
 from atom.kernels import policy
 from atom.layers.compressed_attention_impl import STEP_OPS
@@ -22,6 +26,7 @@ from atom.testing import random_prompts, tiny_config
 from atom.testing.trained_look import draw_hash_tables
 from atom.testing.triton_device import triton_test_device
 from tests.models.harness import write_with_random_vectors
+from tests.models.test_deepseek_v4 import tokens_through_graph_buffers
 
 pytest.importorskip("triton")
 
@@ -75,9 +80,14 @@ def run_steps(model) -> list[torch.Tensor]:
     return logits
 
 
+def write_v4(folder):
+    write_with_random_vectors(tiny_config(ARCHITECTURE), folder)
+    draw_hash_tables(folder, tiny_config(ARCHITECTURE).n_routed_experts)
+    return folder
+
+
 def test_triton_route_equals_torch_route(tmp_path, route):
-    write_with_random_vectors(tiny_config(ARCHITECTURE), tmp_path)
-    draw_hash_tables(tmp_path, tiny_config(ARCHITECTURE).n_routed_experts)
+    write_v4(tmp_path)
     model = build_model(ModelConfig.from_pretrained(tmp_path, dtype=torch.float32), DEVICE,
                         progress=False)  # fmt: skip
     route("torch")
@@ -86,3 +96,49 @@ def test_triton_route_equals_torch_route(tmp_path, route):
     got = run_steps(model)
     for step, (g, e) in enumerate(zip(got, expected)):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+# Decode batches of 5 and 3 sequences pad to 8 and 4; the 37-token prompt closes CSA
+# windows and an HCA one (position 47) in its decode steps, on entries of 4 pages each.
+PROMPTS = random_prompts([37, 3, 20, 9, 30], seed=6)
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 3, 11)]
+KV_BYTES = 16 << 20
+
+
+def test_triton_route_is_capturable_and_its_graph_buffers_give_eager_tokens(tmp_path, route):
+    """The torch references block CUDA graphs, the Triton route does not; its decode steps
+    on the graphs' static, padded buffers (run, not captured) give the eager tokens."""
+    folder = write_v4(tmp_path)
+    model = build_model(ModelConfig.from_pretrained(folder, dtype=torch.float32), DEVICE,
+                        progress=False)  # fmt: skip
+    device = torch.device(DEVICE)
+    route("torch")
+    assert "CompressedAttentionImpl" in graph_blockers(model, device)
+    route("triton")
+    assert "CompressedAttentionImpl" not in graph_blockers(model, device)
+    eager, staged = tokens_through_graph_buffers(
+        folder, PROMPTS, PARAMS, DEVICE, kv_cache_memory_bytes=KV_BYTES
+    )
+    assert staged == eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_gpu_cuda_graphs_give_eager_tokens(tmp_path):
+    """The native engine captures V4's decode steps (every part of the model) and their
+    replays, padded batches included, give the eager engine's tokens."""
+    folder = write_v4(tmp_path)
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(
+            str(folder), dtype="float32", device="cuda", skip_tokenizer_init=True,
+            block_size=4, max_num_seqs=8, kv_cache_memory_bytes=KV_BYTES, enforce_eager=eager,
+        )  # fmt: skip
+        graphs = llm.engine.executor.runner.decode_graphs
+        assert (graphs is None) == eager
+        generated = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        tokens[eager] = [o.outputs[0].token_ids for o in generated]
+        if not eager:
+            assert sorted(graphs.graphs) == [1, 2, 4, 8]
+            # Every decode step replayed one (async scheduling may add a step).
+            assert graphs.replays >= max(p.max_tokens for p in PARAMS) - 1
+    assert tokens[False] == tokens[True]

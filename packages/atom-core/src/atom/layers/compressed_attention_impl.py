@@ -15,8 +15,11 @@ A step first writes the new tokens' rows, then compresses the windows they close
 (atom.kernels.window_compression), then attends: each query over its window's K = V rows
 and the entries it may see (HCA: every closed one; CSA: the indexer's top `index_topk` of
 them), in one softmax with the head's sink. Each of those is a kernel-policy op: on a GPU
-Triton runs the whole batch in one launch per op, with no host sync; on the CPU the torch
-references loop over the sequences.
+Triton runs the whole batch in one launch per op, with no host sync, so a step can be
+captured in a CUDA graph (`cuda_graph_safe`); on the CPU the torch references loop over the
+sequences. A captured batch is padded with sequences of one token at position 0 that
+write nowhere (slot -1): they close no window (every rate is 2 or more), see no entry and
+read one row of their first page.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from atom.kernels.compressed_attention import (
     entries_per_page,
 )
 from atom.kernels.indexer import write_indexer_keys
-from atom.kernels.policy import selected_backend
+from atom.kernels.policy import is_capturable, selected_backend
 from atom.kernels.window_compression import compress_windows
 from atom.layers.attention_spec import AttentionSpec
 from atom.layers.kv_compressor import KVCompressor
@@ -120,10 +123,6 @@ class CompressedAttentionImpl(nn.Module):
     never through a flattened copy.
     """
 
-    # The Triton route waits on the host nowhere, but capturing it is not yet checked on a
-    # GPU (nor are the Triton indexer ops it shares with V3.2 marked capturable).
-    cuda_graph_safe = False
-
     def __init__(self, spec: CompressedAttentionSpec):
         super().__init__()
         self.spec = spec
@@ -134,6 +133,15 @@ class CompressedAttentionImpl(nn.Module):
         self.index_topk = spec.index_topk
         self.caches: list[torch.Tensor] = []
         self.kv_group = 0
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether a step can be captured in a CUDA graph on the layer's device: its ops'
+        Triton kernels take every bound from device tensors and the step's tokens from the
+        slot mapping's length, the torch references loop over host-side sequence lengths.
+        The ops are the same for any number of tokens per sequence."""
+        device = self.spec.sinks.device
+        return all(is_capturable(op, device) for op in STEP_OPS)
 
     @property
     def layout(self) -> CompressedCacheLayout:

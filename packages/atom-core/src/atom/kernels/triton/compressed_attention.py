@@ -153,6 +153,9 @@ def compressed_attention_triton(
 @register("compressed_entry_topk", "triton")
 @capturable
 def compressed_entry_topk_triton(q, weights, index_cache, metadata, rate, block_size, topk, out):
+    # The score rows' width, the one shape taken from the host: under CUDA graphs every host
+    # sets max_seq_len to its graphs' bound (native: the block table's tokens; vLLM:
+    # max_model_len; SGLang: its table's), so a replay sees every closed entry.
     width = metadata.max_seq_len // rate
     out.fill_(-1)
     if q.shape[0] == 0 or width == 0:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from atom.kernels.indexer import best_positions
 from atom.kernels.kv_cache import is_fp8_kv_cache
-from atom.kernels.policy import register
+from atom.kernels.policy import capturable, register
 from atom.kernels.triton.kv_cache import write_kv_cache_triton
 from atom.kernels.triton.sparse_mla import load_slot_rows
 
@@ -26,6 +26,7 @@ BLOCK_N = 64
 
 
 @register("write_indexer_keys", "triton")
+@capturable
 def write_indexer_keys_triton(keys, key_cache, slot_mapping, scale=1.0) -> None:
     # The key cache seen as a one-head K/V pair of the two halves of each row (the KV-write
     # kernel writes both), as write_mla_cache does with latent and rope.
