@@ -46,19 +46,19 @@ def _e2m1_to_bf16(codes):
 
 
 @triton.jit
-def _mxfp4_tile(block_ptrs, scale_ptrs, mask, GROUPS: tl.constexpr, DTYPE: tl.constexpr):
-    """[rows, GROUPS * 32] weights in DTYPE from the [rows, GROUPS, 16] bytes and
-    [rows, GROUPS] scales at the pointers (masked entries are zero). Exact: a value times a
-    power of two (the multiply runs in DTYPE, as Triton's interpreter has no bf16 math)."""
-    packed = tl.load(block_ptrs, mask=mask[:, :, None], other=0).to(tl.int32)
+def _mxfp4_halves(byte_ptrs, scale_ptrs, mask, DTYPE: tl.constexpr):
+    """The weights a [BLOCK_K / 2, rows] tile of packed bytes holds, transposed for the dot:
+    (the low nibbles: even k, the high nibbles: odd k), each [BLOCK_K / 2, rows] in DTYPE,
+    times the group's scale (masked entries are zero). Exact: a value times a power of two
+    (the multiply runs in DTYPE, as Triton's interpreter has no bf16 math)."""
+    packed = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
     exponent = tl.load(scale_ptrs, mask=mask, other=0).to(tl.int32)
     # 2^(e - 127) is bf16's exponent field e; e = 0 (2^-127) is a bf16 subnormal.
     scale = tl.where(exponent == 0, 1 << 6, exponent << 7)
-    scale = scale.to(tl.uint16).to(tl.bfloat16, bitcast=True).to(DTYPE)[:, :, None]
+    scale = scale.to(tl.uint16).to(tl.bfloat16, bitcast=True).to(DTYPE)
     low = _e2m1_to_bf16(packed & 0x0F).to(DTYPE) * scale
     high = _e2m1_to_bf16(packed >> 4).to(DTYPE) * scale
-    values = tl.interleave(low, high)  # low nibble first
-    return tl.reshape(values, (values.shape[0], GROUPS * 32))
+    return low, high
 
 
 @triton.jit
@@ -93,24 +93,31 @@ def _mxfp4_moe_gemm_kernel(
         w_rows = cols
     w_ok = w_cols < N
     w_rows = w_rows.to(tl.int64)
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    groups = tl.arange(0, GROUPS)
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
-    block_ptrs = (
-        blocks_ptr + expert * stride_be + w_rows[:, None, None] * stride_bn
-        + groups[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    )  # fmt: skip
-    scale_ptrs = scales_ptr + expert * stride_se + w_rows[:, None] * stride_sn + groups[None, :]
+    # The weight tile is read already transposed, [BLOCK_K / 2 bytes, rows], and its two
+    # nibbles meet the even and the odd columns of A in two dots: no interleave, reshape or
+    # transpose of a register tile (Triton 3.6's dot-operand pass fails on those at
+    # BLOCK_M >= 64).
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    kb = tl.arange(0, HALF_K)  # byte b of a K tile holds k = 2b and 2b + 1
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + 2 * kb[None, :]
+    byte_ptrs = blocks_ptr + expert * stride_be + w_rows[None, :] * stride_bn + kb[:, None]
+    scale_ptrs = (
+        scales_ptr + expert * stride_se + w_rows[None, :] * stride_sn + (kb // 16)[:, None]
+    )
     acc = tl.zeros((BLOCK_M, w_rows.shape[0]), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
-        group_ok = w_ok[:, None] & (groups < (K - k0) // 32)[None, :]
-        w = _mxfp4_tile(block_ptrs, scale_ptrs, group_ok, GROUPS, a_ptr.dtype.element_ty)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        k_ok = 2 * kb < K - k0  # K is whole groups of 32, so odd k share the even's mask
+        a_mask = row_ok[:, None] & k_ok[None, :]
+        a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
+        w_even, w_odd = _mxfp4_halves(
+            byte_ptrs, scale_ptrs, k_ok[:, None] & w_ok[None, :], a_ptr.dtype.element_ty
+        )
+        acc = tl.dot(a_even, w_even, acc, input_precision=PRECISION)
+        acc = tl.dot(a_odd, w_odd, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
-        block_ptrs += BLOCK_K // 2
-        scale_ptrs += GROUPS
+        byte_ptrs += HALF_K
+        scale_ptrs += BLOCK_K // 32
     if GATED:  # MMA accumulators hold adjacent column pairs per thread
         acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     else:

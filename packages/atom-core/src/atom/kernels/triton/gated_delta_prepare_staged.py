@@ -140,7 +140,8 @@ def chunk_inverse_kernel(
     g_head = g_ptr + head * g_stride_h
     beta_head = beta_ptr + head * beta_stride_h
     decay = (g_head, beta_head, g_stride_t, beta_stride_t)
-    keys = (k_stride_t, kcols, dk, DOT_DTYPE, INTERPRETED, L2NORM)
+    # Constexprs stay out of the tuples: Triton 3.6 cannot hold a dtype in one.
+    keys = (k_stride_t, kcols, dk)
 
     rows0, valid0 = _block_rows(start, end, 0, CHUNK)
     rows1, valid1 = _block_rows(start, end, 1, CHUNK)
@@ -154,10 +155,10 @@ def chunk_inverse_kernel(
     tl.store(cum_ptr + rows1 * num_v_heads + head, cum1, mask=valid1)
     tl.store(cum_ptr + rows2 * num_v_heads + head, cum2, mask=valid2)
     tl.store(cum_ptr + rows3 * num_v_heads + head, cum3, mask=valid3)
-    k0, r0 = _key_block(k_head, rows0, valid0, *keys)
-    k1, r1 = _key_block(k_head, rows1, valid1, *keys)
-    k2, r2 = _key_block(k_head, rows2, valid2, *keys)
-    k3, r3 = _key_block(k_head, rows3, valid3, *keys)
+    k0, r0 = _key_block(k_head, rows0, valid0, *keys, DOT_DTYPE, INTERPRETED, L2NORM)
+    k1, r1 = _key_block(k_head, rows1, valid1, *keys, DOT_DTYPE, INTERPRETED, L2NORM)
+    k2, r2 = _key_block(k_head, rows2, valid2, *keys, DOT_DTYPE, INTERPRETED, L2NORM)
+    k3, r3 = _key_block(k_head, rows3, valid3, *keys, DOT_DTYPE, INTERPRETED, L2NORM)
 
     d0, d1, d2, d3 = _invert_diagonal_blocks(
         _a_block(k0, k0, beta0, r0, r0, cum0, cum0, True, PRECISION),
@@ -219,9 +220,8 @@ def chunk_apply_kernel(
     chunk, head, key_head, start, end = chunk_program(chunk_start_ptr, chunk_end_ptr, group)
     rows = (start + tl.arange(0, CHUNK)).to(tl.int64)
     valid = rows < end
-    common = (num_v_heads, head, start, end, CHUNK)
-    dots = (PRECISION, DOT_DTYPE, INTERPRETED)
+    common = (num_v_heads, head, start, end)  # constexprs apart, as in chunk_inverse_kernel
     _apply_inverse(inv_w_ptr, k_ptr, w_ptr, rows, valid, k_stride_t, key_head * k_stride_h, dk,
-                   *common, BLOCK_K, TILE_K, *dots)  # fmt: skip
+                   *common, CHUNK, BLOCK_K, TILE_K, PRECISION, DOT_DTYPE, INTERPRETED)  # fmt: skip
     _apply_inverse(inv_u_ptr, v_ptr, u_ptr, rows, valid, v_stride_t, head * v_stride_h, dv,
-                   *common, BLOCK_V, TILE_V, *dots)  # fmt: skip
+                   *common, CHUNK, BLOCK_V, TILE_V, PRECISION, DOT_DTYPE, INTERPRETED)  # fmt: skip
