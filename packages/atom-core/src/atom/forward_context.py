@@ -53,9 +53,10 @@ class AttentionMetadata:
                      hybrid models (Gated DeltaNet conv + recurrent states); None otherwise.
     has_initial_state: [B] bool, whether that row holds the sequence's state so far (False:
                      its first chunk, or a recompute after preemption: start from zeros).
-    state_checkpoints: a speculative verify step of a hybrid model: the verified sequences
-                     whose states its Gated DeltaNet layers copy, with the inputs of their
-                     rows, before they mix (atom.speculative.state_rollback); else None.
+    state_checkpoints: a speculative verify step of a hybrid model: the sequences whose
+                     states its Gated DeltaNet layers copy, with the inputs of their rows,
+                     before they mix (the verified ones; under CUDA graphs every sequence
+                     of the padded batch; atom.speculative.state_rollback); else None.
     """
 
     query_start_loc: torch.Tensor

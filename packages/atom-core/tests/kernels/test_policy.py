@@ -64,6 +64,20 @@ def test_gpu_prefers_triton_and_the_override_forces_torch(fake_registry, monkeyp
     assert policy.selected_backend("double", "cuda") == "triton"
 
 
+def test_capturable_up_to_a_number_of_query_tokens(fake_registry, monkeypatch):
+    """An implementation capturable only in steps of few tokens per sequence (the Triton
+    gated delta rule: one chunk each) is capturable for a decode and a short verify step,
+    not for longer ones; the torch reference never is."""
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("ATOM_KERNELS", raising=False)
+    policy.register("bounded", "triton")(policy.capturable_up_to(8)(lambda: None))
+    policy.register("bounded", "torch")(lambda: None)
+    assert [policy.is_capturable("bounded", cuda, n) for n in (1, 8, 9)] == [True, True, False]
+    assert policy.is_capturable("double", cuda) is False
+    monkeypatch.setenv("ATOM_KERNELS", "torch")
+    assert not policy.is_capturable("bounded", cuda)
+
+
 def test_bad_override_is_an_error_naming_the_value(monkeypatch):
     monkeypatch.setenv("ATOM_KERNELS", "cuda-magic")
     with pytest.raises(ValueError, match="ATOM_KERNELS='cuda-magic'"):

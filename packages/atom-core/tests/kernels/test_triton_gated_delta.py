@@ -295,6 +295,26 @@ def test_padded_sequence(lens):
     check((got_o, got_pool), (want_o, want_pool), torch.float32)
 
 
+@pytest.mark.parametrize("lens", [[4, 4, 4], [3, 16, 1]], ids=["verify", "within a chunk"])
+def test_bounded_batch_reads_no_lengths_on_the_host(lens, monkeypatch):
+    """With max_query_len within a chunk (a speculative verify step, k + 1 tokens per
+    sequence) the chunked path plans from query_start_loc on the device, as a CUDA graph
+    needs: same results, and the lengths are never read on the host."""
+    batch = make_batch(lens, 2, 4, 32, 32, torch.float32, [True, False, True], seed=3)
+    args = to_device(batch)
+    want_o, want_pool = naive_gated_delta(
+        *(args[n] for n in ("q", "k", "v", "g", "beta", "state")),
+        batch["state_slots"].tolist(), lens, batch["has_initial_state"].tolist(), 32**-0.5, True,
+    )  # fmt: skip
+
+    def no_host_read(*_):
+        raise AssertionError("query_start_loc read on the host")
+
+    monkeypatch.setattr(args["query_start_loc"], "tolist", no_host_read, raising=False)
+    got_o = gated_delta_rule(**args, scale=32**-0.5, max_query_len=max(lens), chunk_size=CPU_CHUNK)
+    check((got_o.cpu(), args["state"].cpu()), (want_o.cpu(), want_pool.cpu()), torch.float32)
+
+
 def test_prefill_then_decode_equals_one_prefill():
     """Chunked prefill, a second chunked prefill from the saved state, then decodes: the
     outputs and final states of one prefill over the same tokens."""

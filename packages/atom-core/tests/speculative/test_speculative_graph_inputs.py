@@ -5,7 +5,8 @@ capture=False). Greedy output must stay the target's own, token for token, throu
 chunked prefill, prefix hits, preemption and batches padded to a capture size, and the
 drafts the same as without the buffers (a drafter's error costs only acceptance, so the
 acceptance counts must match the eager speculative run's exactly): both hold only if the
-buffers carry every step's tokens, positions, pages and hidden states right."""
+buffers carry every step's tokens, positions, pages and hidden states right, and, on a
+hybrid target, the state checkpoints its verify step keeps for the rollback."""
 
 from __future__ import annotations
 
@@ -69,21 +70,34 @@ def test_static_buffers_of_speculative_steps_keep_the_targets_output(tmp_path, c
         assert spec_stats.acceptance_rate > 0.1 and spec_stats.accepted_per_position[-1] > 0
 
 
-def test_a_hybrid_verify_step_stays_eager_with_one_line(tmp_path, caplog):
-    """Qwen3-Next: the verify step's state checkpoints are taken at rows the host lists;
-    its decode steps and the drafter's steps still take the static buffers."""
-    folder, spec = checkpoint("qwen3-next", "repeat", tmp_path)
+# Drafts of the random drafter are all but always rejected; the repeating one's are kept
+# in part or in full.
+HYBRID_CASES = [("qwen3-next", "random"), ("qwen3-next", "repeat"), ("qwen3.5-moe", "random")]
+
+
+@pytest.mark.parametrize(("case", "kind"), HYBRID_CASES)
+def test_a_hybrid_verify_step_rolls_back_from_the_static_buffers(tmp_path, case, kind, caplog):
+    """Qwen3-Next, Qwen3.5: the verify step goes through the static buffers too, its
+    DeltaNet layers keeping every padded sequence's states in static records; a step that
+    rejects drafts rolls back from those, and the output stays the target's only if it
+    does so right."""
+    folder, spec = checkpoint(case, kind, tmp_path)
     common = dict(model=folder, dtype="float32", skip_tokenizer_init=True)
     expected = run(LLM(**common))
+    eager = LLM(**common, speculative_config=spec, **SMALL_POOL)
+    assert run(eager) == expected
     llm = LLM(**common, speculative_config=spec, **SMALL_POOL)
     runner = llm.engine.executor.runner
     with caplog.at_level(logging.WARNING, logger="atom.engine.model_runner"):
         runner.capture_cuda_graphs(8, llm.engine.config.model.max_model_len, 16, K, capture=False)
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert line == (
-        "without CUDA graphs: verify (4 tokens per sequence) "
-        "(Gated DeltaNet state checkpoints are taken at rows the host lists)"
-    )
-    assert sorted(runner.target_graphs) == [1]
+    assert not caplog.records  # no step stays eager
+    assert sorted(runner.target_graphs) == [1, K + 1]
+    verify = runner.target_graphs[K + 1]
     assert run(llm) == expected
-    assert runner.draft_graphs[1, 1].replays > 0
+    assert verify.replays > 0 and runner.draft_graphs[1, 1].replays > 0
+    # One record per DeltaNet layer, overwritten by every step, not one per step.
+    deltanet = [m for m in llm.engine.executor.model.modules() if hasattr(m, "remix")]
+    assert list(verify.state_checkpoints.records) == deltanet
+    stats = llm.engine.spec_stats
+    assert stats == eager.engine.spec_stats
+    assert stats.acceptance_rate < (0.1 if kind == "random" else 0.9), stats

@@ -8,7 +8,8 @@ in static buffers (one pinned host buffer, one upload per step); a batch is padd
 next captured size with sequences that write nowhere (slot -1) and read one page (hybrid
 models: their state slots are static inputs too, and padding rows update the scratch
 row, atom.engine.state_cache). Tensors already on the device (a drafter's hidden states)
-are copied into static device buffers.
+are copied into static device buffers. A hybrid target's verify step keeps its Gated
+DeltaNet states for the rollback in static buffers too (state_rollback.StaticCheckpoints).
 
 With `capture=False` nothing is captured: each "replay" runs the step function on the
 same static, padded buffers, so the CPU tests check that path. Whether a model can be
@@ -27,6 +28,7 @@ from atom.engine.staged_buffers import StagedBuffers
 from atom.engine.state_cache import PADDING_SLOT
 from atom.engine.step_arrays import StepArrays, TokenFeed, kv_group_tables
 from atom.forward_context import AttentionMetadata, set_forward_context
+from atom.speculative.state_rollback import StaticCheckpoints
 
 # (input_ids [T], positions [T], *device inputs [T, ...]) -> outputs, each with one row
 # per token or one per sequence.
@@ -54,12 +56,16 @@ class StepGraphs:
         device_inputs: dict[str, tuple[torch.dtype, int]] | None = None,
         capture: bool = True,
         pool=None,
+        keeps_states: bool = False,
     ):
         """query_len: new tokens per sequence; num_kv_groups: block tables and slot
         mappings per sequence (kv_groups.py); hybrid: the step reads state slots;
         device_inputs: name -> (dtype, width) of per-token inputs passed to `run` as
         device tensors; pool: a graph memory pool to share with other StepGraphs (their
-        outputs are valid until the next replay of any of them)."""
+        outputs are valid until the next replay of any of them); keeps_states: a hybrid
+        target's verify step, whose DeltaNet layers keep every sequence's states in
+        `state_checkpoints` (valid, like the outputs, until the next step through
+        these buffers)."""
         self.step = step
         self.query_len = q = query_len
         self.max_batch_size = max_batch_size
@@ -94,6 +100,9 @@ class StepGraphs:
             name: torch.zeros(n * q, width, dtype=dtype, device=device)
             for name, (dtype, width) in (device_inputs or {}).items()
         }
+        self.state_checkpoints = (
+            StaticCheckpoints(self.inputs.device["state_slots"], q) if keeps_states else None
+        )
         self.sizes = capture_sizes(max_batch_size)
         self.capture = capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
@@ -120,6 +129,7 @@ class StepGraphs:
             max_seq_len=self.max_blocks * self.block_size,
             state_slots=d["state_slots"][:bs] if self.hybrid else None,
             has_initial_state=d["has_initial_state"][:bs] if self.hybrid else None,
+            state_checkpoints=self.state_checkpoints,
         )
 
     def _call(self, bs: int) -> tuple[torch.Tensor, ...]:

@@ -56,7 +56,6 @@ from atom.expert_parallel import (
     set_expert_parallel,
 )
 from atom.kernels.kv_cache import FP8_KV_CACHE_DTYPE
-from atom.speculative.state_rollback import StateCheckpoints
 from atom.symmetric_all_reduce import SymmetricAllReduce
 
 
@@ -161,7 +160,6 @@ class _RankSteps:
 
     def __init__(self, runner: ModelRunner, config: EngineConfig, rank: int, control=None):
         self.runner = runner
-        self.checkpoints: StateCheckpoints | None = None
         self.rank = rank
         self.control = control
         self.rank_sampler = None
@@ -187,17 +185,13 @@ class _RankSteps:
     def verify(self, inputs: list[StepInput], logit_rows: list[int], verified_rows):
         """A speculative step: logits and the drafter's features; verified_rows (slots, first rows,
         row counts of the verified sequences) for a hybrid model's state checkpoints."""
-        self.checkpoints = None
-        if verified_rows is not None:
-            self.checkpoints = StateCheckpoints(*verified_rows, self.runner.device)
-        return self.runner.verify(inputs, logit_rows, self.checkpoints)
+        return self.runner.verify(inputs, logit_rows, verified_rows)
 
     def draft(self, inputs: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int]):
         return self.runner.draft(inputs, hidden, step, rows)
 
     def roll_back(self, kept_rows: list[int]) -> None:
-        self.checkpoints.roll_back(kept_rows)
-        self.checkpoints = None
+        self.runner.roll_back(kept_rows)
 
 
 @dataclass(frozen=True)

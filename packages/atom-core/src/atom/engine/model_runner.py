@@ -26,7 +26,7 @@ from atom.speculative.config import MTP_MODULE, MTP_RECYCLES_NORMED, Speculative
 from atom.speculative.eagle3 import load_eagle3_drafter, read_drafter_config
 from atom.speculative.mtp import MtpDrafter
 from atom.speculative.qwen3_next_mtp import Qwen3NextMtpDrafter
-from atom.speculative.state_rollback import StateCheckpoints
+from atom.speculative.state_rollback import ListedCheckpoints, StateCheckpoints
 
 logger = logging.getLogger(__name__)
 # Above this many sequences a decode step is large enough that launches cost little, and
@@ -173,6 +173,8 @@ class ModelRunner:
         # (draft step, rows per sequence) (atom.engine.speculative_graphs).
         self.target_graphs: dict[int, StepGraphs] = {}
         self.draft_graphs: dict[tuple[int, int], StepGraphs] = {}
+        # A hybrid model's last verify step's, until its rollback.
+        self.state_checkpoints: StateCheckpoints | None = None
 
     @property
     def decode_graphs(self) -> StepGraphs | None:
@@ -208,10 +210,12 @@ class ModelRunner:
             if blockers:
                 eager.setdefault(f"{', '.join(blockers)} cannot be captured", []).append(name)
                 return None
+            # A hybrid target's verify step keeps its states for the rollback.
+            keeps_states = hybrid and query_len > 1
             graphs = StepGraphs(
                 step, query_len, batch_size, max_blocks,
                 self.block_size, self.device, self.num_kv_groups, hybrid, device_inputs,
-                capture, pool,
+                capture, pool, keeps_states,
             )  # fmt: skip
             pool = graphs.pool
             return graphs
@@ -222,11 +226,6 @@ class ModelRunner:
             shapes.append(num_speculative_tokens + 1)
         for query_len in shapes:
             name = "decode" if query_len == 1 else f"verify ({query_len} tokens per sequence)"
-            if query_len > 1 and hybrid:
-                # The rollback's checkpoints are recorded from Python during the step.
-                why = "Gated DeltaNet state checkpoints are taken at rows the host lists"
-                eager.setdefault(why, []).append(name)
-                continue
             graphs = build(name, self.model, self.target_step, query_len, hybrid)
             if graphs is not None:
                 self.target_graphs[query_len] = graphs
@@ -256,21 +255,29 @@ class ModelRunner:
         self,
         batch: list[StepInput],
         feed: TokenFeed | None = None,
-        state_checkpoints: StateCheckpoints | None = None,
+        verified_rows: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The target step's outputs (`speculative_graphs.target_step`): the hidden states
         [T, hidden] of every new token, then, with a drafter, what it reads of them.
-        `feed` supplies input tokens that are still on the device; `state_checkpoints`: a
-        speculative verify step's, for a hybrid model (it runs eagerly).
+        `feed` supplies input tokens that are still on the device; `verified_rows`: a
+        hybrid model's verify step, the (state slots, first token rows, row counts) of the
+        sequences it verifies, whose states the step keeps for `roll_back`.
 
         Decode rows (one new token) must come before prefill rows.
         """
         arrays = build_step_arrays(batch, self.block_size)
         graphs = self.target_graphs.get(arrays.num_tokens // max(arrays.num_seqs, 1))
-        if state_checkpoints is None and graphs is not None and graphs.can_run(arrays):
-            return graphs.run(arrays, feed)
+        # The static buffers keep the states of every sequence: the rollback lines them up
+        # with the verified ones only when the step verifies them all.
+        verifies_all = verified_rows is None or len(verified_rows[0]) == arrays.num_seqs
+        if graphs is not None and graphs.can_run(arrays) and verifies_all:
+            outputs = graphs.run(arrays, feed)
+            self.state_checkpoints = None if verified_rows is None else graphs.state_checkpoints
+            return outputs
         input_ids, positions, metadata = upload(arrays, self.device)
-        metadata.state_checkpoints = state_checkpoints
+        metadata.state_checkpoints = self.state_checkpoints = (
+            None if verified_rows is None else ListedCheckpoints(*verified_rows, self.device)
+        )
         if feed is not None:
             feed.apply(input_ids)
         with set_forward_context(metadata):
@@ -289,13 +296,20 @@ class ModelRunner:
         self,
         batch: list[StepInput],
         logit_rows: list[int],
-        state_checkpoints: StateCheckpoints | None = None,
+        verified_rows: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A speculative step: `execute`'s logits and what the drafter reads of every new
-        token (its `target_features`, [T, width])."""
-        hidden, features = self.forward(batch, None, state_checkpoints)
+        token (its `target_features`, [T, width]); `verified_rows` as in `forward`."""
+        hidden, features = self.forward(batch, None, verified_rows)
         # A copy: the sequences' backlogs hold these rows past the graph's next replay.
         return self._logits(hidden, logit_rows), features.clone()
+
+    @torch.inference_mode()
+    def roll_back(self, kept_rows: list[int]) -> None:
+        """After a hybrid model's verify step, before any other step: each verified
+        sequence's states after its first kept_rows[i] rows (state_rollback)."""
+        self.state_checkpoints.roll_back(kept_rows)
+        self.state_checkpoints = None
 
     def _logits(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor | None:
         if not logit_rows:

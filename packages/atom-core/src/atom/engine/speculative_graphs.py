@@ -8,9 +8,8 @@
   tokens the target kept in the step before), and draft steps 1 to k - 1 at one row;
   each with the draft tokens (head and argmax) of every sequence's last row.
 
-A hybrid target's verify step stays eager: its Gated DeltaNet layers record their state
-checkpoints from Python during the step, at rows the host lists
-(atom.speculative.state_rollback).
+A hybrid target's verify step is captured too: its Gated DeltaNet layers keep every
+sequence's states in static buffers for the rollback (state_rollback.StaticCheckpoints).
 """
 
 from __future__ import annotations

@@ -44,10 +44,11 @@ def padded_rows(query_start_loc: list[int]) -> tuple[torch.Tensor, torch.Tensor]
 @register(GATED_DELTA_RULE_OP, "torch")
 def gated_delta_rule_torch(
     q, k, v, g, beta, state, state_slots, query_start_loc, has_initial_state, scale,
-    use_qk_l2norm=True,
+    use_qk_l2norm=True, max_query_len=None,
 ):  # fmt: skip
     # One step per token position, all sequences of the batch at once (padded to the
-    # longest), so a decode batch is a single step.
+    # longest), so a decode batch is a single step. The lengths are read on the host
+    # whatever max_query_len says (this reference is never captured).
     starts = query_start_loc.tolist()
     index, valid = padded_rows(starts)
     index, valid = index.to(q.device), valid.to(q.device)
@@ -87,6 +88,7 @@ def gated_delta_rule(
     has_initial_state: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """o [T, Hv, Dv] in v's dtype.
 
@@ -94,9 +96,11 @@ def gated_delta_rule(
     [S, Hv, Dk, Dv] pool (fp32, bf16 or fp16; updated in place); state_slots [B] int32
     (each sequence's pool row); query_start_loc [B+1] int32; has_initial_state [B] bool
     (False: start from zeros). use_qk_l2norm normalises q and k per head first (fp32). Tokens past
-    query_start_loc[B] (a host's padding) are left zero.
+    query_start_loc[B] (a host's padding) are left zero. max_query_len: the host's bound on
+    any sequence's tokens (AttentionMetadata.max_query_len; None: unknown), with which an
+    implementation may plan its work without reading the lengths on the host.
     """
     return dispatch(GATED_DELTA_RULE_OP, q.device)(
         q, k, v, g, beta, state, state_slots, query_start_loc, has_initial_state, scale,
-        use_qk_l2norm,
+        use_qk_l2norm, max_query_len=max_query_len,
     )  # fmt: skip

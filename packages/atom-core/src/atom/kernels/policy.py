@@ -56,6 +56,19 @@ def capturable(fn: Callable) -> Callable:
     return fn
 
 
+def capturable_up_to(query_tokens: int) -> Callable[[Callable], Callable]:
+    """Marks an implementation that never waits on the host in steps of at most
+    `query_tokens` new tokens per sequence (the host's `max_query_len` says so); a longer
+    step may read its lengths on the host."""
+
+    def mark(fn: Callable) -> Callable:
+        fn.cuda_graph_safe = True
+        fn.cuda_graph_max_query_tokens = query_tokens
+        return fn
+
+    return mark
+
+
 def _forced_backend() -> str | None:
     value = os.environ.get("ATOM_KERNELS", "").strip().lower()
     if not value:
@@ -100,9 +113,12 @@ def fallback(op: str, device: torch.device, declining: str) -> Callable:
     return _select(op, device.type, _forced_backend(), declining)
 
 
-def is_capturable(op: str, device: torch.device) -> bool:
-    """Whether the implementation `op` dispatches to on `device` can run in a CUDA graph."""
-    return getattr(dispatch(op, device), "cuda_graph_safe", False)
+def is_capturable(op: str, device: torch.device, query_tokens: int = 1) -> bool:
+    """Whether the implementation `op` dispatches to on `device` can run in a CUDA graph,
+    in steps of `query_tokens` new tokens per sequence."""
+    fn = dispatch(op, device)
+    limit = getattr(fn, "cuda_graph_max_query_tokens", query_tokens)
+    return getattr(fn, "cuda_graph_safe", False) and query_tokens <= limit
 
 
 def selected_backend(op: str, device: torch.device | str) -> str:

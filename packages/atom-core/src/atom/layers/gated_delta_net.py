@@ -171,11 +171,13 @@ class GatedDeltaNet(nn.Module):
     def bind_state_cache(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         self.conv_state, self.ssm_state = conv_state, ssm_state
 
-    @property
-    def cuda_graph_safe(self) -> bool:
+    def cuda_graph_safe_for(self, query_tokens: int) -> bool:
+        """Whether both ops can be captured on this device in steps of `query_tokens`
+        tokens per sequence (a decode, or a speculative verify step)."""
         device = self.A_log.device
         return device.type == "cuda" and all(
-            is_capturable(op, device) for op in (GATED_DELTA_RULE_OP, CAUSAL_CONV1D_OP)
+            is_capturable(op, device, query_tokens)
+            for op in (GATED_DELTA_RULE_OP, CAUSAL_CONV1D_OP)
         )
 
     def step_state(self) -> StepState | None:
@@ -210,13 +212,18 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         if metadata.state_checkpoints is not None:
             metadata.state_checkpoints.keep(self, conv_state, ssm_state, mixed, g, beta)
-        out = self._mix(mixed, g, beta, conv_state, ssm_state, slots, starts, has_state)
+        out = self._mix(
+            mixed, g, beta, conv_state, ssm_state, slots, starts, has_state, metadata.max_query_len
+        )
         out = self.norm(out, z)
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))
 
-    def _mix(self, mixed, g, beta, conv_state, ssm_state, slots, starts, has_state):
+    def _mix(
+        self, mixed, g, beta, conv_state, ssm_state, slots, starts, has_state, max_query_len=None
+    ):
         """The conv over the rows' inputs `mixed` [T, C], then the gated delta rule: the
-        output [T, Hv, Dv]; both update the states in rows `slots`."""
+        output [T, Hv, Dv]; both update the states in rows `slots`. max_query_len: the
+        step's bound on any sequence's rows (None: unknown)."""
         num_tokens = mixed.shape[0]
         mixed = causal_conv1d(
             mixed,
@@ -241,6 +248,7 @@ class GatedDeltaNet(nn.Module):
             has_state,
             scale=self.head_k_dim**-0.5,
             use_qk_l2norm=True,
+            max_query_len=max_query_len,
         )
 
     def remix(self, slots, conv, recurrent, mixed, g, beta, starts) -> None:

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from atom.kernels.gated_delta import GATED_DELTA_RULE_OP, STATE_DTYPES
-from atom.kernels.policy import capturable, register
+from atom.kernels.policy import capturable_up_to, register
 from atom.kernels.triton.causal_conv1d import check_varlen_batch
 from atom.kernels.triton.gated_delta_prepare import (
     MAX_CHUNK,
@@ -388,9 +388,17 @@ def _staged_prepare(k, v, g, beta, w, u, cum, chunk_starts, chunk_ends, strides,
     )  # fmt: skip
 
 
-def _chunk_bounds(query_start_loc: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+def _chunk_bounds(
+    query_start_loc: torch.Tensor, chunk: int, max_query_len: int | None
+) -> tuple[torch.Tensor, ...]:
     """Every chunk's first token, its sequence's end and its sequence, and every sequence's
-    first chunk (int32, one host sync and one copy)."""
+    first chunk (int32, one host sync and one copy). Where the host bounds every sequence
+    within one chunk (a speculative verify step), each sequence is its chunk: views of
+    query_start_loc, no sync, so a CUDA graph can capture the step."""
+    if max_query_len is not None and max_query_len <= chunk:
+        num_seqs = query_start_loc.shape[0] - 1
+        seqs = torch.arange(num_seqs, dtype=torch.int32, device=query_start_loc.device)
+        return query_start_loc[:-1], query_start_loc[1:], seqs, seqs
     bounds = query_start_loc.tolist()
     starts, ends, seqs, first_chunks = [], [], [], []
     for seq, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -405,9 +413,10 @@ def _chunk_bounds(query_start_loc: torch.Tensor, chunk: int) -> tuple[torch.Tens
 
 
 # Capturable: the decode batches a CUDA graph captures (one token per sequence) take the
-# recurrent kernel, which never waits on the host; only the chunked path reads lengths.
+# recurrent kernel, which never waits on the host; the chunked path reads the lengths only
+# where max_query_len does not fit a chunk (of the default size).
 @register(GATED_DELTA_RULE_OP, "triton")
-@capturable
+@capturable_up_to(DEFAULT_CHUNK)
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -420,6 +429,7 @@ def gated_delta_rule(
     has_initial_state: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
+    max_query_len: int | None = None,
     chunk_size: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
     """o [T, Hv, Dv] in v.dtype for a varlen batch; state[state_slots[b]] updated in place.
@@ -428,7 +438,8 @@ def gated_delta_rule(
     [T, Hv] (g float32, the log decay); state [S, Hv, Dk, Dv] float32; state_slots,
     has_initial_state [B]; query_start_loc [B+1]. A negative slot marks a padded sequence
     (zero outputs, no state read or written). A batch of one token per sequence (T == B)
-    runs the recurrent kernel without a host sync; any other runs the chunked kernels.
+    runs the recurrent kernel without a host sync; any other runs the chunked kernels, which
+    read the lengths on the host unless max_query_len (the host's bound) fits one chunk.
     """
     _check_inputs(q, k, v, g, beta, state, state_slots, query_start_loc, has_initial_state)
     if chunk_size not in (16, 32, MAX_CHUNK):
@@ -460,7 +471,9 @@ def gated_delta_rule(
 
     launch = chunk_launch(num_seqs, num_v_heads, dv, v.device)
     precision = "ieee" if v.dtype == torch.float32 else "tf32"
-    chunk_starts, chunk_ends, chunk_seqs, first_chunks = _chunk_bounds(query_start_loc, chunk_size)
+    chunk_starts, chunk_ends, chunk_seqs, first_chunks = _chunk_bounds(
+        query_start_loc, chunk_size, max_query_len
+    )
     num_chunks = chunk_starts.shape[0]
     wu = dict(dtype=v.dtype if launch.low_precision_wu else torch.float32, device=v.device)
     w = torch.empty(num_tokens, num_v_heads, dk, **wu)
