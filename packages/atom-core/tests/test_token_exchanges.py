@@ -1,7 +1,7 @@
 """The data-parallel token exchanges over gloo, on 3 processes and on a 2-rank group of
-them, with uneven token counts and a rank with none: dispatch, the rank's experts, then
-combine give each rank the MoE output of its own tokens that one process with every
-expert gives.
+them, with uneven token counts and a rank with none (and equal ones, as the data-parallel
+decode graphs run them): dispatch, the rank's experts, then combine give each rank the
+MoE output of its own tokens that one process with every expert gives.
 
 - `GatheredTokens` combines by reduce-scatter: its group refuses an all-reduce.
 - `AllToAllTokens` sends a rank only the tokens routed to at least one of its experts.
@@ -42,13 +42,20 @@ def experts(hidden, w13, w2, weights, ids):
     return fused_moe_torch(hidden, w13, w2, weights, ids, "silu", None, None, None)
 
 
-def check_exchange(exchange, group: TorchDistributedGroup, counts: list[int]) -> None:
+def check_exchange(
+    exchange, group: TorchDistributedGroup, counts: list[int], uniform: bool = False
+) -> None:
+    """uniform: the exchange is told no counts, only that every rank runs as many tokens
+    (`GatheredTokens.begin_uniform_steps`, the data-parallel decode graphs' capture)."""
     placement = ExpertPlacement.of_rank(EXPERTS, group.rank, group.world_size, "experts")
     held = slice(placement.first, placement.first + placement.count)
     mine = slice(sum(counts[: group.rank]), sum(counts[: group.rank + 1]))
     for layer in range(LAYERS):
         (w13, w2), x, weights, ids = moe_layer(layer, sum(counts))
-        exchange.begin_step(counts)
+        if uniform:
+            exchange.begin_uniform_steps()
+        else:
+            exchange.begin_step(counts)
         h, w, i = exchange.dispatch(x[mine], weights[mine], ids[mine], placement)
         out = exchange.combine(experts(h, w13[held], w2[held], w, placement.local_ids(i)))
         expected = experts(x[mine], w13, w2, weights[mine], ids[mine])
@@ -69,6 +76,7 @@ def _worker(rank: int, rendezvous: str) -> None:
             group = ReduceScatterOnly(process_group)
             for exchange in (GatheredTokens(group), AllToAllTokens(group)):
                 check_exchange(exchange, group, TOKENS_PER_RANK[size])
+            check_exchange(GatheredTokens(group), group, [3] * size, uniform=True)
     finally:
         dist.destroy_process_group()
 

@@ -224,6 +224,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = False  # no CUDA graphs (they are GPU-only anyway)
+    # Tests: the steps CUDA graphs would replay run eagerly through the graphs' static,
+    # padded inputs (StepGraphs' capture=False) on every rank: the CPU check of that path.
+    static_graph_inputs: bool = False
     compile: bool = False  # torch.compile the sampler (atom/engine/compile.py)
     speculative: Any = None  # atom.speculative.config.SpeculativeConfig
     seed: int = 0  # of the random sampling of requests that give no seed of their own

@@ -111,6 +111,8 @@ class GatheredTokens:
     def __init__(self, group: TensorParallelGroup):
         self.group = group
         self.tokens_per_rank: list[int] | None = None
+        self._uniform = False
+        self._own_tokens = 0  # this rank's rows in the current layer, set by dispatch
 
     def begin_step(self, tokens_per_rank: list[int]) -> None:
         if len(tokens_per_rank) != self.group.world_size:
@@ -119,8 +121,17 @@ class GatheredTokens:
                 f"group of {self.group.world_size}"
             )
         self.tokens_per_rank = list(tokens_per_rank)
+        self._uniform = False
+
+    def begin_uniform_steps(self) -> None:
+        """Until the next begin_step, every rank runs as many tokens as this one: the
+        capture of data-parallel decode graphs, where every rank captures the same padded
+        sizes in the same order (atom.engine.data_parallel_graphs)."""
+        self._uniform = True
 
     def _counts(self, local_tokens: int) -> list[int]:
+        if self._uniform:
+            return [local_tokens] * self.group.world_size
         counts = self.tokens_per_rank
         if counts is None:
             raise RuntimeError("data-parallel MoE step without begin_step(tokens_per_rank)")
@@ -141,6 +152,7 @@ class GatheredTokens:
 
     def dispatch(self, hidden, topk_weights, topk_ids, placement):
         counts = self._counts(hidden.shape[0])
+        self._own_tokens = hidden.shape[0]
         # Padding rows route to expert -1, which no rank holds: the kernels skip them.
         return (
             self._gather(hidden, counts),
@@ -151,7 +163,7 @@ class GatheredTokens:
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         # Each rank receives only its padded share of the sums: 1/N of an all-reduce's rows.
         own = self.group.reduce_scatter(expert_out)
-        return own[: self.tokens_per_rank[self.group.rank]]
+        return own[: self._own_tokens]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ models: their state slots are static inputs too, and padding rows update the scr
 row, atom.engine.state_cache). Tensors already on the device (a drafter's hidden states)
 are copied into static device buffers. A hybrid target's verify step keeps its Gated
 DeltaNet states for the rollback in static buffers too (state_rollback.StaticCheckpoints).
+Under data-parallel attention every rank replays one shared size
+(atom.engine.data_parallel_graphs).
 
 With `capture=False` nothing is captured: each "replay" runs the step function on the
 same static, padded buffers, so the CPU tests check that path. Whether a model can be
@@ -150,6 +152,10 @@ class StepGraphs:
             pool = graph.pool()
             self.graphs[bs] = (graph, outputs)
 
+    def padded_size(self, num_seqs: int) -> int:
+        """The captured batch size a step of `num_seqs` sequences replays."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+
     def can_run(self, arrays: StepArrays) -> bool:
         q = self.query_len
         return (
@@ -165,11 +171,14 @@ class StepGraphs:
         arrays: StepArrays,
         feed: TokenFeed | None = None,
         device_inputs: dict[str, torch.Tensor] | None = None,
+        batch_size: int | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The step function's outputs for the batch's rows (padding rows cut off): views
-        of static buffers, valid until the next replay."""
+        of static buffers, valid until the next replay. batch_size: the captured size to
+        replay instead of the batch's own (`padded_size`): data-parallel ranks all replay
+        one size, a rank with no sequences too (atom.engine.data_parallel_graphs)."""
         n, q = arrays.num_seqs, self.query_len
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        bs = self.padded_size(n) if batch_size is None else batch_size
         t, padded = n * q, bs * q
         host = self.inputs.host()
         host["input_ids"][:t] = arrays.input_ids

@@ -18,7 +18,9 @@ the tensor-parallel group is each rank alone, the expert-parallel group is the w
 with `GatheredTokens` or `AllToAllTokens` (all2all_backend). Rank 0 broadcasts every
 rank's part of a step in one message (`RankStep`s, whose token counts `GatheredTokens`
 needs before the forward); every rank runs a forward, one with nothing scheduled a zero-token one, since the MoE collectives
-need all of them; each samples its own rows and rank 0 gathers the results.
+need all of them; each samples its own rows and rank 0 gathers the results. A step in
+which every rank decodes replays every rank's decode graph of one shared size
+(atom.engine.data_parallel_graphs).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from atom.all_to_all_tokens import AllToAllTokens
 from atom.config import ConfigError, EngineConfig
 from atom.distributed import SingleProcessGroup, TorchDistributedGroup, set_tp_group
+from atom.engine.data_parallel_graphs import shared_decode_size
 from atom.engine.kv_groups import KVCacheLayout, plan_kv_groups
 from atom.engine.model_runner import (
     ModelRunner,
@@ -145,13 +148,20 @@ class _Shard:
             self.model, num_state_slots(config.max_num_seqs), self.device
         )
         runner = ModelRunner(self.model, cache.block_size, self.device, len(self.kv_groups))
-        # Under DP attention a captured graph would bake every rank's token count into its
-        # collectives: DP decode runs eagerly (LLMEngine logs it).
-        if config.use_cuda_graphs and config.parallel.data_parallel_size == 1:
-            k = config.speculative.num_speculative_tokens if config.speculative else 0
-            runner.capture_cuda_graphs(
-                config.max_num_seqs, config.model.max_model_len, config.max_num_batched_tokens, k
-            )
+        if not config.use_cuda_graphs and not config.static_graph_inputs:
+            return runner
+        data_parallel = config.parallel.data_parallel_size > 1
+        if data_parallel and config.parallel.all2all_backend == "all_to_all":
+            return runner  # its host syncs cannot be captured (LLMEngine logs it)
+        if data_parallel:
+            # Every rank captures the same sizes in the same order, so each runs as many
+            # tokens as the others (atom.engine.data_parallel_graphs).
+            get_expert_parallel().exchange.begin_uniform_steps()
+        k = config.speculative.num_speculative_tokens if config.speculative else 0
+        runner.capture_cuda_graphs(
+            config.max_num_seqs, config.model.max_model_len, config.max_num_batched_tokens, k,
+            capture=config.use_cuda_graphs,
+        )  # fmt: skip
         return runner
 
 
@@ -170,10 +180,16 @@ class _RankSteps:
         """Data-parallel attention: this rank's part of the step, run and sampled; rank 0
         gets every rank's results (in rank order), the others None."""
         own = steps[self.rank]
-        get_expert_parallel().exchange.begin_step([step.num_tokens for step in steps])
-        # A rank with no sequences still runs (zero tokens): the MoE layers' collectives
-        # wait for every rank.
-        logits = self.runner.execute(own.inputs, own.logit_rows)
+        # Every rank replays the same decode-graph size, or every rank runs eagerly.
+        graph_size = shared_decode_size(steps, self.runner.decode_graphs)
+        if graph_size is None:
+            counts = [step.num_tokens for step in steps]
+        else:
+            counts = [graph_size] * len(steps)
+        get_expert_parallel().exchange.begin_step(counts)
+        # A rank with no sequences still runs (zero tokens, or padding in a graph): the MoE
+        # layers' collectives wait for every rank.
+        logits = self.runner.execute_data_parallel(own.inputs, own.logit_rows, graph_size)
         result = self.rank_sampler.sample(logits, own)
         gathered = [None] * len(steps) if self.rank == 0 else None
         dist.gather_object(result, gathered, dst=0, group=self.control)

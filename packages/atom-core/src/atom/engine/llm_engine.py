@@ -127,10 +127,15 @@ class LLMEngine:
             logger.info(
                 "data-parallel MoE tokens reach the experts by %s", config.parallel.all2all_backend
             )
-            if config.use_cuda_graphs:
+            if config.use_cuda_graphs and config.parallel.all2all_backend == "all_to_all":
                 logger.info(
-                    "CUDA graphs are off: data-parallel attention runs every rank's step "
-                    "eagerly (a graph would fix the ranks' token counts)"
+                    "CUDA graphs are off: all_to_all reads every MoE layer's split sizes on "
+                    "the host, which a graph cannot hold"
+                )
+            elif config.use_cuda_graphs:
+                logger.info(
+                    "data-parallel steps in which a rank prefills, or has more sequences "
+                    "than the largest CUDA graph, run eagerly on every rank"
                 )
             if async_scheduling:
                 logger.info(

@@ -16,7 +16,7 @@ from atom.engine.cuda_graphs import StepGraphs
 from atom.engine.kv_groups import KVCacheGroup, attention_impls, shared_slots
 from atom.engine.speculative_graphs import drafter_shapes, drafter_step, target_step
 from atom.engine.state_cache import is_hybrid
-from atom.engine.step_arrays import StepInput, TokenFeed, build_step_arrays, upload
+from atom.engine.step_arrays import StepArrays, StepInput, TokenFeed, build_step_arrays, upload
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.kv_cache import fp8_kv_cache_unsupported
 from atom.layers.gated_delta_net import state_backend
@@ -274,6 +274,14 @@ class ModelRunner:
             outputs = graphs.run(arrays, feed)
             self.state_checkpoints = None if verified_rows is None else graphs.state_checkpoints
             return outputs
+        return self._eager(arrays, feed, verified_rows)
+
+    def _eager(
+        self,
+        arrays: StepArrays,
+        feed: TokenFeed | None = None,
+        verified_rows: tuple[list[int], list[int], list[int]] | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         input_ids, positions, metadata = upload(arrays, self.device)
         metadata.state_checkpoints = self.state_checkpoints = (
             None if verified_rows is None else ListedCheckpoints(*verified_rows, self.device)
@@ -290,6 +298,21 @@ class ModelRunner:
         """fp32 logits of the given (ascending) token rows of the step; None when no row
         is asked."""
         return self._logits(self.forward(batch, feed)[0], logit_rows)
+
+    @torch.inference_mode()
+    def execute_data_parallel(
+        self, batch: list[StepInput], logit_rows: list[int], graph_size: int | None
+    ) -> torch.Tensor | None:
+        """`execute` for a data-parallel rank: the decode graph of `graph_size` sequences,
+        which every rank replays (its own sequences, then padding), or eagerly where it is
+        None. The ranks' collectives must match, so no rank picks a path on its own
+        (atom.engine.data_parallel_graphs)."""
+        arrays = build_step_arrays(batch, self.block_size)
+        if graph_size is None:
+            outputs = self._eager(arrays)
+        else:
+            outputs = self.decode_graphs.run(arrays, batch_size=graph_size)
+        return self._logits(outputs[0], logit_rows)
 
     @torch.inference_mode()
     def verify(
