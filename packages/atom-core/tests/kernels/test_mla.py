@@ -10,6 +10,7 @@ import torch
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels import mla_attention, write_mla_cache
+from atom.kernels.mla import MAX_DECODE_QUERIES, few_queries_as_decodes
 
 HEADS, NOPE, ROPE, LATENT, VALUE = 4, 16, 8, 32, 12
 SCALE = (NOPE + ROPE) ** -0.5
@@ -145,6 +146,21 @@ def test_absorbed_path_equals_up_projected_path_for_multi_token_queries():
     )
     torch.testing.assert_close(batch.run(absorbed), batch.expected(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(batch.run(prefill), batch.expected(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_verify_step_takes_the_absorbed_path_and_matches_naive(block_size):
+    """The same k + 1 new tokens for every sequence (a speculative verify step) run as
+    decodes of k + 1 causal queries; more tokens, or uneven counts, stay prefills."""
+    batch = Batch([(9, 4), (0, 4), (30, 4)], block_size)
+    metadata = batch.metadata(batch.new_slots())
+    assert metadata.num_decodes == 0
+    as_decodes = few_queries_as_decodes(metadata)
+    assert (as_decodes.num_decodes, as_decodes.num_decode_tokens) == (3, 12)
+    torch.testing.assert_close(batch.run(metadata), batch.expected(), atol=1e-5, rtol=1e-5)
+    for shapes in ([(9, MAX_DECODE_QUERIES + 1)] * 2, [(9, 3), (5, 4)]):
+        prefills = Batch(shapes, block_size).metadata([0] * sum(n for _, n in shapes))
+        assert few_queries_as_decodes(prefills).num_decodes == 0
 
 
 def test_padding_slots_are_not_written():

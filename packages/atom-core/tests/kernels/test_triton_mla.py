@@ -14,6 +14,7 @@ from torch import nn
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels.mla import (
+    few_queries_as_decodes,
     mla_decode_attention_torch,
     mla_prefill_attention_torch,
     write_mla_cache_torch,
@@ -105,6 +106,31 @@ def test_mla_decode(monkeypatch, dtype, seq_lens, block_size, heads, latent, rop
     monkeypatch.setattr(mla, "TARGET_PROGRAMS", target_programs)
     inputs = decode_inputs(seq_lens, block_size, heads, latent, rope, dtype)
     check_decode(*inputs, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "seq_lens, block_size, heads, latent, rope",
+    [
+        pytest.param([6, 21, 4, 40], 16, 4, 32, 8, id="small"),
+        pytest.param([8192, 4, 3000], 64, 128, 512, 64, id="v3", marks=GPU),
+    ],
+)
+@pytest.mark.parametrize("target_programs", [mla.TARGET_PROGRAMS, 1], ids=["split-k", "one-split"])
+def test_mla_decode_of_a_verify_step(
+    monkeypatch, dtype, seq_lens, block_size, heads, latent, rope, target_programs
+):
+    """Four causal queries per sequence (a speculative verify step) as the kernel gets
+    them from few_queries_as_decodes, against the reference."""
+    monkeypatch.setattr(mla, "TARGET_PROGRAMS", target_programs)
+    queries = 4
+    md, num_pages = paged_metadata([queries] * len(seq_lens), seq_lens, block_size)
+    md = few_queries_as_decodes(md)
+    assert md.num_decodes == len(seq_lens)
+    cache = randn(num_pages, block_size, latent + rope, dtype=dtype, seed=0)
+    q_latent = randn(md.num_tokens, heads, latent, dtype=dtype, seed=1)
+    q_pe = randn(md.num_tokens, heads, rope, dtype=dtype, seed=2)
+    check_decode(q_latent, q_pe, cache, md, dtype)
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ An fp8 latent cache (float8_e4m3fn) holds rows / kv_scale, one scale per layer
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -174,6 +175,22 @@ def mla_prefill_attention(
     )
 
 
+# A speculative verify step's k + 1 tokens per sequence, and what a drafter's catch-up
+# runs: up to this many query tokens per sequence attend by the absorbed decode path.
+MAX_DECODE_QUERIES = 8
+
+
+def few_queries_as_decodes(metadata: AttentionMetadata) -> AttentionMetadata:
+    """A step whose every sequence has the same few new tokens (a speculative verify step)
+    as decodes of that many queries each: the absorbed path reads the cache once, where
+    the up-projected one would expand every context page per head, and it decides from
+    host-side sizes only, so the step stays capturable in a CUDA graph."""
+    n, q = metadata.num_seqs, metadata.max_query_len
+    if metadata.num_decodes or not 1 < q <= MAX_DECODE_QUERIES or metadata.num_tokens != n * q:
+        return metadata
+    return replace(metadata, num_decodes=n, num_decode_tokens=n * q)
+
+
 def mla_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -189,10 +206,12 @@ def mla_attention(
     """MLA for a mixed, decode-first batch: q_nope [T, H, Dn], q_pe [T, H, R] -> [T, H, Dv].
 
     The new tokens' latents must already be in the cache (`write_mla_cache`). Decode rows
-    take the absorbed path, prefill rows the up-projected one.
+    (and a step of the same few tokens per sequence) take the absorbed path, prefill rows
+    the up-projected one.
     """
     if out is None:
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+    metadata = few_queries_as_decodes(metadata)
     num_decode_tokens = metadata.num_decode_tokens
     if metadata.num_decodes:
         q_latent = absorb_query(q_nope[:num_decode_tokens], w_uk)

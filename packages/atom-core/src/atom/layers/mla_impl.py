@@ -17,6 +17,7 @@ from atom.kernels import (
     write_indexer_keys,
     write_mla_cache,
 )
+from atom.kernels.mla import MAX_DECODE_QUERIES
 from atom.kernels.policy import is_capturable
 from atom.layers.attention_spec import AttentionSpec
 from atom.layers.indexer import IndexerQuery
@@ -42,8 +43,9 @@ class NativeMLAImpl(nn.Module):
     """
 
     # The ops of a captured step: their Triton kernels are capturable, the torch references
-    # loop over host-side lengths. One token per sequence takes the absorbed decode path,
-    # several (a speculative verify step) the up-projected prefill path.
+    # loop over host-side lengths. Up to MAX_DECODE_QUERIES tokens per sequence (a decode
+    # or a speculative verify step) take the absorbed decode path, more the up-projected
+    # prefill path.
     DECODE_OPS = ("write_mla_cache", "mla_decode_attention")
     PREFILL_OPS = ("write_mla_cache", "mla_prefill_attention")
     SPARSE_DECODE_OPS = (
@@ -78,7 +80,7 @@ class NativeMLAImpl(nn.Module):
         if self.spec.index_topk:
             ops = self.SPARSE_DECODE_OPS  # the same ops for any number of tokens
         else:
-            ops = self.DECODE_OPS if query_tokens == 1 else self.PREFILL_OPS
+            ops = self.DECODE_OPS if query_tokens <= MAX_DECODE_QUERIES else self.PREFILL_OPS
         return all(is_capturable(op, device) for op in ops)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:

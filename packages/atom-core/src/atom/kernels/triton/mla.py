@@ -4,7 +4,8 @@
   seen as a one-head key and value cache.
 - decode (weight-absorbed): multi-query attention of all heads against the cache rows as
   they are (keys: L + R channels, values: their first L), split-K over the context and
-  the paged-attention reduction. The latent tile that scores a block of keys is also its
+  the paged-attention reduction; one program per query token, so a speculative verify
+  step (the same few tokens for every sequence, each causal) runs it too. The latent tile that scores a block of keys is also its
   values, so the cache is read once per step. Bounds come from device tensors and the
   grid from static shapes, so a captured CUDA graph replays it for any lengths.
 - prefill (up-projected): the prefill sequences' pages are expanded through W_UK / W_UV
@@ -16,6 +17,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import torch
@@ -42,6 +45,8 @@ DECODE_CONFIG = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 2}
 TARGET_PROGRAMS = 256
 MAX_SPLITS = 32
 
+logger = logging.getLogger(__name__)
+
 
 @register("write_mla_cache", "triton")
 @capturable
@@ -61,16 +66,19 @@ def _mla_decode_kernel(
     ql_stride_t, ql_stride_h, qp_stride_t, qp_stride_h, c_stride_b, c_stride_s,
     o_stride_t, o_stride_h, bt_stride, qk_scale, kv_scale, num_heads, block_size, latent_dim,
     rope_dim,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    QUERIES: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Head blocks vary fastest, so the programs sharing a context slice run together and
     # its second and later reads hit L2.
     head_block = tl.program_id(0)
     split = tl.program_id(1)
-    seq = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    token = tl.load(query_start_ptr + seq).to(tl.int64)
+    query = tl.program_id(2)  # QUERIES query tokens per sequence, in sequence order
+    seq = query // QUERIES
+    nth = query % QUERIES
+    # A sequence's query nth sees its context up to itself (causal among the new tokens).
+    seq_len = tl.load(seq_lens_ptr + seq) - (QUERIES - 1 - nth)
+    token = tl.load(query_start_ptr + seq).to(tl.int64) + nth
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     split_start = split * per_split
     split_end = tl.minimum(seq_len, split_start + per_split)
@@ -130,7 +138,7 @@ def _mla_decode_kernel(
             o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & lmask[None, :]
         )
     else:
-        part = (seq * num_heads + heads) * NUM_SPLITS + split
+        part = (query * num_heads + heads) * NUM_SPLITS + split
         tl.store(part_max_ptr + part, m_i, mask=head_valid)
         tl.store(part_sum_ptr + part, l_i, mask=head_valid)
         tl.store(part_out_ptr + part[:, None] * latent_dim + ldims[None, :], acc,
@@ -145,11 +153,10 @@ def _num_splits(num_decodes: int, head_blocks: int) -> int:
 @register("mla_decode_attention", "triton")
 @capturable
 def mla_decode_attention_triton(q_latent, q_pe, kv_cache, metadata, scale, out, kv_scale=1.0):
-    num_decodes = metadata.num_decodes
-    if metadata.num_decode_tokens != num_decodes:
-        # Several query tokens per decode sequence (speculative decoding): no host sends
-        # these today (decodes are one token, also in captured steps), so they take the
-        # reference.
+    num_decodes, num_queries = metadata.num_decodes, metadata.num_decode_tokens
+    queries_per_seq = num_queries // max(num_decodes, 1)
+    if num_queries != num_decodes * queries_per_seq:
+        _log_uneven_queries()
         return mla_decode_attention_torch(q_latent, q_pe, kv_cache, metadata, scale, out, kv_scale)
     num_heads, latent_dim = q_latent.shape[1:]
     rope_dim = q_pe.shape[-1]
@@ -157,32 +164,44 @@ def mla_decode_attention_triton(q_latent, q_pe, kv_cache, metadata, scale, out, 
     config = DECODE_CONFIG
     block_h = min(config["block_h"], max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
-    num_splits = _num_splits(num_decodes, head_blocks)
+    num_splits = _num_splits(num_queries, head_blocks)
     if num_splits == 1:
         part_out = part_max = part_sum = out  # unused: the kernel writes `out` directly
     else:
         part_out = torch.empty(
-            num_decodes, num_heads, num_splits, latent_dim, dtype=torch.float32,
+            num_queries, num_heads, num_splits, latent_dim, dtype=torch.float32,
             device=q_latent.device,
         )  # fmt: skip
-        part_max = part_out.new_empty(num_decodes, num_heads, num_splits)
+        part_max = part_out.new_empty(num_queries, num_heads, num_splits)
         part_sum = torch.empty_like(part_max)
     block_l = max(16, triton.next_power_of_2(latent_dim))
-    _mla_decode_kernel[(head_blocks, num_splits, num_decodes)](
+    _mla_decode_kernel[(head_blocks, num_splits, num_queries)](
         q_latent, q_pe, kv_cache, part_out, part_max, part_sum, out,
         metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         metadata.block_table.stride(0), scale * kv_scale * math.log2(math.e), kv_scale, num_heads,
         kv_cache.shape[1], latent_dim, rope_dim,
-        NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=config["block_n"],
+        QUERIES=queries_per_seq, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=config["block_n"],
         BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
-        reduce_splits(part_out, part_max, part_sum, out, metadata.query_start_loc)
+        # The partials are per query token, and the decode tokens lead the step.
+        token_starts = metadata.query_start_loc
+        if queries_per_seq > 1:
+            token_starts = torch.arange(num_queries + 1, dtype=torch.int32, device=out.device)
+        reduce_splits(part_out, part_max, part_sum, out, token_starts)
     return out
+
+
+@functools.cache
+def _log_uneven_queries() -> None:
+    logger.warning(
+        "MLA decode: sequences with different numbers of query tokens in one step run on "
+        "the torch reference (the Triton kernel takes the same number for each)"
+    )
 
 
 def _prefill_pages(metadata: AttentionMetadata, block_size: int):
