@@ -66,7 +66,7 @@ def test_window_group_frees_the_pages_its_window_passed():
         assert len(live_pages(seq, 0)) == -(-seq.num_computed_tokens // 4)
     bm.free_sequence(seq)
     assert bm.num_free_blocks == 64
-    assert all(count == 0 for count in bm.ref_counts)
+    assert all(count == 0 for count in bm.pools[0].ref_counts)
 
 
 def test_pages_shared_with_another_sequence_do_not_count_as_given_back():
@@ -84,7 +84,7 @@ def test_pages_shared_with_another_sequence_do_not_count_as_given_back():
         run_chunk(bm, first, 1)
         assert bm.num_free_blocks == free_before - needed
     assert first.num_released_blocks[1] == 9  # (44 - 7) // 4
-    assert all(bm.ref_counts[p] == 1 and p not in bm.free for p in live_pages(second, 1))
+    assert all(bm.pools[0].ref_counts[p] == 1 and p not in bm.pools[0].free for p in live_pages(second, 1))
     for seq in (first, second):
         bm.free_sequence(seq)
     assert bm.num_free_blocks == 64
@@ -291,7 +291,7 @@ def test_window_layout_peak_pages_are_the_expected_saving(checkpoint):
         llm = engine(checkpoint, block_size=4, max_num_batched_tokens=8, window_only_kv=window_only)
         llm.generate([prompt], greedy(), use_tqdm=False)
         peaks[window_only] = llm.engine.block_manager.peak_blocks_in_use
-        page_bytes[window_only] = llm.engine.kv_layout.page_bytes
+        page_bytes[window_only] = llm.engine.kv_layout.pools[0].page_bytes
     # The schedule by hand: chunks [c, c + n); the full group holds ceil((c + n) / 4)
     # pages, the window group those from page (c - 15) // 4 on.
     steps = [(c, min(8, 60 - c)) for c in range(0, 60, 8)] + [(c, 1) for c in range(60, 99)]

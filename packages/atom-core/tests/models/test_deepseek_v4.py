@@ -153,12 +153,16 @@ def test_graph_blockers_name_the_torch_route():
     assert "CompressedAttentionImpl" in graph_blockers(model, torch.device("cpu"))
 
 
-def test_engine_keeps_the_full_layout_and_says_so(checkpoint, caplog):
-    with caplog.at_level("INFO", logger="atom.engine.kv_groups"):
-        llm = LLM(model=str(checkpoint), dtype="float32", skip_tokenizer_init=True, block_size=4)
-    assert [len(g.layers) for g in llm.engine.kv_layout.groups] == [TINY.num_hidden_layers]
-    (line,) = [r.getMessage() for r in caplog.records if "full layout" in r.getMessage()]
-    assert "cache shapes differ" in line
+def test_engine_keeps_rows_in_a_window_group_and_entries_in_a_full_one(checkpoint):
+    """Window 16 reaches as far as HCA's compressor (16) and CSA's (2 x 4): one window
+    group of every layer's rows, one full group of the CSA and HCA layers' entries, each
+    in its own pool (tests/models/test_deepseek_v4_kv_pools.py runs them)."""
+    llm = LLM(model=str(checkpoint), dtype="float32", skip_tokenizer_init=True, block_size=4)
+    groups = llm.engine.kv_layout.groups
+    assert [(g.sliding_window, g.pool, len(g.layers)) for g in groups] == [
+        (None, 0, 2),
+        (TINY.sliding_window, 1, TINY.num_hidden_layers),
+    ]
 
 
 def test_the_config_alone_gives_each_layers_cache_shapes():

@@ -38,7 +38,8 @@ from atom.all_to_all_tokens import AllToAllTokens
 from atom.config import ConfigError, EngineConfig
 from atom.distributed import SingleProcessGroup, TorchDistributedGroup, set_tp_group
 from atom.engine.data_parallel_graphs import shared_decode_size
-from atom.engine.kv_groups import KVCacheLayout, plan_kv_groups
+from atom.engine.kv_groups import num_pools, plan_kv_groups
+from atom.engine.kv_layout import KVCacheLayout, KVPool, split_budget
 from atom.engine.model_runner import (
     ModelRunner,
     StepInput,
@@ -108,20 +109,31 @@ class _Shard:
         if self.cache_dtype == FP8_KV_CACHE_DTYPE:
             check_fp8_kv_cache(self.model, self.device, log=rank == 0)
         self.kv_groups = plan_kv_groups(
-            self.model, config.model.max_model_len, config.cache.window_only_kv
-        )
+            self.model, config.model.max_model_len, config.cache.block_size,
+            config.cache.window_only_kv,
+        )  # fmt: skip
         self.state_slot_bytes = state_bytes_per_slot(self.model)
 
-    def page_bytes(self, full_layout: bool = False) -> int:
-        """One page's bytes in the grouped layout, or with every layer keeping every page."""
-        groups = None if full_layout else self.kv_groups
-        return kv_cache_bytes_per_block(
-            self.model, self.config.cache.block_size, self.cache_dtype, groups
-        )
+    @property
+    def prefill_chunk(self) -> int:
+        """The longest chunk a sequence prefills in: the pools are sized for it."""
+        return min(self.config.model.max_model_len, self.config.max_num_batched_tokens)
 
-    def blocks_from_memory(self) -> int:
+    def page_bytes(self) -> list[int]:
+        """One page's bytes in each pool of the grouped layout."""
+        block_size = self.config.cache.block_size
+        return [
+            kv_cache_bytes_per_block(self.model, block_size, self.cache_dtype, self.kv_groups, p)
+            for p in range(num_pools(self.kv_groups))
+        ]
+
+    def full_layout_page_bytes(self) -> int:
+        """One page's bytes with every layer keeping every page."""
+        return kv_cache_bytes_per_block(self.model, self.config.cache.block_size, self.cache_dtype)
+
+    def blocks_from_memory(self) -> list[int]:
+        """The pages of each pool that the KV-cache budget buys (kv_layout.split_budget)."""
         cache = self.config.cache
-        per_block = self.page_bytes()
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -132,13 +144,19 @@ class _Shard:
                 "on CPU, set kv_cache_memory_bytes (or num_blocks) to size the KV cache"
             )
         budget -= self.state_slot_bytes * num_state_slots(self.config.max_num_seqs)
-        if budget < per_block:
+        page_bytes = self.page_bytes()
+        blocks = split_budget(
+            max(budget, 0), self.kv_groups, page_bytes, cache.block_size,
+            self.config.model.max_model_len, self.prefill_chunk,
+        )  # fmt: skip
+        if min(blocks) < 1:
             raise ConfigError(
-                f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)"
+                f"KV cache budget of {budget} bytes is below one block of each pool "
+                f"({' + '.join(map(str, page_bytes))} bytes)"
             )
-        return budget // per_block
+        return blocks
 
-    def allocate(self, num_blocks: int) -> ModelRunner:
+    def allocate(self, num_blocks: list[int]) -> ModelRunner:
         config, cache = self.config, self.config.cache
         allocate_kv_cache(
             self.model, num_blocks, cache.block_size, self.cache_dtype, self.device,
@@ -258,25 +276,25 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def _agree_on_num_blocks(config: EngineConfig, shard: _Shard, rank: int, control) -> int:
-    """The KV pages every rank allocates: num_blocks if given, else the fewest any rank's
-    memory holds (each rank allocates its own cache; TP shards must agree, and DP ranks'
-    schedulers each plan with the same pool)."""
+def _agree_on_num_blocks(config: EngineConfig, shard: _Shard, rank: int, control) -> list[int]:
+    """The KV pages of each pool every rank allocates: num_blocks (each pool) if given,
+    else the fewest any rank's memory holds (each rank allocates its own cache; TP shards
+    must agree, and DP ranks' schedulers each plan with the same pools)."""
     if config.cache.num_blocks:
-        return config.cache.num_blocks
+        return [config.cache.num_blocks] * num_pools(shard.kv_groups)
     try:
         own = shard.blocks_from_memory()
     except ConfigError:
         if rank == 0 or control is None:
             raise
-        own = 0  # rank 0 reports it below
+        own = [0] * num_pools(shard.kv_groups)  # rank 0 reports it below
     if control is None:
         return own
-    fewest = torch.tensor([own], dtype=torch.int64)
+    fewest = torch.tensor(own, dtype=torch.int64)
     dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=control)
-    if fewest.item() < 1:
-        raise ConfigError("a rank's KV cache budget is below one block")
-    return int(fewest.item())
+    if fewest.min().item() < 1:
+        raise ConfigError("a rank's KV cache budget is below one block of each pool")
+    return fewest.tolist()
 
 
 class Executor:
@@ -297,18 +315,21 @@ class Executor:
         shard = _Shard(config, 0, progress=True)
         self.model = shard.model
         self.cache_dtype = shard.cache_dtype
-        self.num_blocks = _agree_on_num_blocks(config, shard, 0, control)
+        self.pool_blocks = _agree_on_num_blocks(config, shard, 0, control)
+        self.num_blocks = sum(self.pool_blocks)
+        block_size, groups = config.cache.block_size, shard.kv_groups
+        pools = [
+            KVPool(
+                blocks,
+                page_bytes,
+                kv_cache_page_parts(shard.model, block_size, shard.cache_dtype, groups, pool),
+            )
+            for pool, (blocks, page_bytes) in enumerate(zip(self.pool_blocks, shard.page_bytes()))
+        ]
         self.kv_layout = KVCacheLayout(
-            shard.kv_groups,
-            self.num_blocks,
-            config.cache.block_size,
-            shard.page_bytes(),
-            shard.page_bytes(full_layout=True),
-            kv_cache_page_parts(
-                shard.model, config.cache.block_size, shard.cache_dtype, shard.kv_groups
-            ),
+            groups, pools, block_size, shard.full_layout_page_bytes(), shard.prefill_chunk
         )
-        self.runner = shard.allocate(self.num_blocks)
+        self.runner = shard.allocate(self.pool_blocks)
         self.steps = _RankSteps(self.runner, config, 0, control)
         self.state_cache_bytes = shard.state_cache_bytes
 

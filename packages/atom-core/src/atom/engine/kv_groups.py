@@ -4,23 +4,31 @@ A full-attention layer reads every earlier token's K/V; a sliding-window layer o
 W reads only the last W. The engine groups the layers by that (full attention first,
 then each window), and every group gets its own block table per sequence, so a window
 group keeps only the pages its window still reaches (block_manager.py frees the rest).
+An impl whose tensors reach back differently is grouped by its parts
+(atom.layers.kv_cache_part): DeepSeek-V4's per-token rows go to a window group, its
+compressed entries to the full-attention group.
 
-All groups take their pages from one pool. Cache tensor j is shared by the j-th layer of
-every group, and page p of it belongs to whichever group holds page p: a page holds
-max(group sizes) layers instead of all of them, and a page a window leaves behind is free
-at once for any sequence or group. (vLLM's hybrid allocator works the same way; this is a
-smaller version.) The groups must then agree on a page's shape; where they do not, the
-engine keeps one group, the full layout, and says so.
+Groups take their pages from pools, one per page shape. Cache tensor j of a pool is
+shared by the j-th layer of each of its groups, and page p of it belongs to whichever
+group holds page p: a page holds max(group sizes) layers instead of all of them, and a
+page a window leaves behind is free at once for any sequence or group of that pool.
+(vLLM's hybrid allocator works the same way; this is a smaller version.) A group joins
+the first pool whose groups have its layers' page shapes, layer by layer, else starts
+one: GPT-OSS's full and window groups share one pool; DeepSeek-V4's entries and rows
+(other shapes: a page holds block_size / rate entries) take one each, and the memory is
+split between them (kv_layout.py).
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from atom.layers.kv_cache_part import KVCachePart
+
+# What holds pages: an attention impl, or a part of one.
+CacheUser = nn.Module | KVCachePart
 
 
 def attention_impls(model: nn.Module) -> list[nn.Module]:
@@ -30,7 +38,8 @@ def attention_impls(model: nn.Module) -> list[nn.Module]:
 @dataclass(frozen=True)
 class KVCacheGroup:
     sliding_window: int | None  # None: full attention
-    layers: tuple[nn.Module, ...]  # their attention impls, in model order
+    layers: tuple[CacheUser, ...]  # their attention impls (or parts of them), in model order
+    pool: int = 0  # the page pool its pages come from
 
     @property
     def label(self) -> str:
@@ -39,39 +48,66 @@ class KVCacheGroup:
         return f"{len(self.layers)} {kind} layer{'s' if len(self.layers) != 1 else ''}"
 
 
-def _window(impl: nn.Module, max_model_len: int) -> int | None:
+def cache_users(model: nn.Module) -> list[CacheUser]:
+    """Each attention impl, or the parts it splits its tensors into (`kv_cache_parts`)."""
+    users: list[CacheUser] = []
+    for impl in attention_impls(model):
+        users.extend(impl.kv_cache_parts() if hasattr(impl, "kv_cache_parts") else [impl])
+    return users
+
+
+def _window(user: CacheUser, max_model_len: int) -> int | None:
+    window = user.sliding_window if isinstance(user, KVCachePart) else user.spec.sliding_window
     # A window as long as the longest sequence never drops a token.
-    window = impl.spec.sliding_window
     return window if window is not None and window < max_model_len else None
 
 
 def plan_kv_groups(
-    model: nn.Module, max_model_len: int, window_only: bool = True
+    model: nn.Module, max_model_len: int, block_size: int, window_only: bool = True
 ) -> list[KVCacheGroup]:
-    """The model's attention layers by the pages they keep; one group (every layer keeps
-    every page) without `window_only`."""
-    impls = attention_impls(model)
+    """The model's attention layers by the pages they keep, each group with its pool; one
+    group (every layer keeps every page) without `window_only`."""
     if not window_only:
-        return [KVCacheGroup(None, tuple(impls))]
-    windows = sorted({_window(i, max_model_len) for i in impls}, key=lambda w: (w is not None, w))
-    groups = [
-        KVCacheGroup(w, tuple(i for i in impls if _window(i, max_model_len) == w)) for w in windows
-    ]
-    if len(groups) > 1 and len({str(i.kv_cache_shapes(1, 1)) for i in impls}) > 1:
-        logger.info(
-            "KV cache: every layer keeps every page (the full layout): the layers' cache "
-            "shapes differ, so sliding-window layers cannot share pages with the others"
+        return [KVCacheGroup(None, tuple(attention_impls(model)))]
+    users = cache_users(model)
+    windows = sorted({_window(u, max_model_len) for u in users}, key=lambda w: (w is not None, w))
+    members = [tuple(u for u in users if _window(u, max_model_len) == w) for w in windows]
+    pages = [[_page_shapes(u, block_size) for u in layers] for layers in members]
+    pools: list[list[list]] = []  # each pool's groups' page shapes
+    pool_of = []
+    for shapes in pages:
+        pool = next(
+            (i for i, groups in enumerate(pools) if all(_same_pages(shapes, g) for g in groups)),
+            len(pools),
         )
-        return [KVCacheGroup(None, tuple(impls))]
+        if pool == len(pools):
+            pools.append([])
+        pools[pool].append(shapes)
+        pool_of.append(pool)
+    groups = [KVCacheGroup(w, m, p) for w, m, p in zip(windows, members, pool_of)]
     return groups or [KVCacheGroup(None, ())]
 
 
-def shared_slots(groups: list[KVCacheGroup]) -> list[list[tuple[int, nn.Module]]]:
-    """(group index, impl) pairs per cache tensor: tensor j is the j-th layer of each group."""
-    depth = max(len(g.layers) for g in groups)
+def _page_shapes(user: CacheUser, block_size: int) -> list[tuple[int, ...]]:
+    return [tuple(shape[1:]) for shape in user.kv_cache_shapes(1, block_size)]
+
+
+def _same_pages(a: list, b: list) -> bool:
+    """Whether two groups can share tensors: their j-th layers' pages alike for every j."""
+    return all(x == y for x, y in zip(a, b))
+
+
+def num_pools(groups: list[KVCacheGroup]) -> int:
+    return max(g.pool for g in groups) + 1
+
+
+def shared_slots(groups: list[KVCacheGroup], pool: int) -> list[list[tuple[int, CacheUser]]]:
+    """(group index, user) pairs per cache tensor of `pool`: tensor j is the j-th layer of
+    each of its groups."""
+    members = [(index, g) for index, g in enumerate(groups) if g.pool == pool]
+    depth = max(len(g.layers) for _, g in members)
     return [
-        [(index, g.layers[j]) for index, g in enumerate(groups) if j < len(g.layers)]
-        for j in range(depth)
+        [(index, g.layers[j]) for index, g in members if j < len(g.layers)] for j in range(depth)
     ]
 
 
@@ -88,71 +124,3 @@ def pages_held(windows: list[int | None], block_size: int, num_tokens: int, chun
         else:
             total += min(pages, -(-(window - 1 + chunk) // block_size) + 1)
     return total
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """The engine's KV pool as allocated, and what the full layout would cost instead."""
-
-    groups: list[KVCacheGroup]
-    num_blocks: int
-    block_size: int
-    page_bytes: int  # one page over all cache tensors
-    full_layout_page_bytes: int  # the same page if every layer kept every page
-    # page_bytes by what it holds (model_runner.kv_cache_page_parts), when that is more
-    # than K/V: MLA latents and sparse attention's indexer keys.
-    page_parts: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def windows(self) -> list[int | None]:
-        return [g.sliding_window for g in self.groups]
-
-    def bytes_per_token(self, context_len: int) -> float:
-        """KV bytes per token of a sequence of `context_len` tokens while it decodes."""
-        pages = pages_held(self.windows, self.block_size, context_len)
-        return pages * self.page_bytes / context_len
-
-    def full_layout_bytes_per_token(self, context_len: int) -> float:
-        pages = -(-context_len // self.block_size)
-        return pages * self.full_layout_page_bytes / context_len
-
-    def report(self, context_len: int) -> dict:
-        """The memory figures `atom bench` prints, for sequences of `context_len` tokens."""
-        window = self.bytes_per_token(context_len)
-        full = self.full_layout_bytes_per_token(context_len)
-        return dict(
-            kv_groups=", ".join(g.label for g in self.groups),
-            context_len=context_len,
-            kv_bytes_per_token=round(window, 1),
-            kv_bytes_per_token_full_layout=round(full, 1),
-            kv_saving=round(full / window, 3),
-        )
-
-    def summary(self, context_len: int, dtype: str) -> str:
-        """One line for the startup log and `atom serve`'s summary; with window groups,
-        how many `context_len`-token sequences fit, against the full layout (every layer
-        keeps every page) in the same memory."""
-        tokens = self.num_blocks * self.block_size
-        head = (
-            f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {tokens} "
-            f"tokens ({dtype})"
-        )
-        if len(self.page_parts) > 1:
-            per_token = " + ".join(
-                f"{size / self.block_size:.0f} B {label}" for label, size in self.page_parts.items()
-            )
-            head = f"{head}, {self.page_bytes / self.block_size:.0f} B per token ({per_token})"
-        if self.windows == [None]:
-            return f"{head}, {tokens / context_len:.1f} sequences of {context_len} tokens"
-        pages = pages_held(self.windows, self.block_size, context_len)
-        full_blocks = self.num_blocks * self.page_bytes // self.full_layout_page_bytes
-        fits = self.num_blocks // pages
-        fits_full = full_blocks // -(-context_len // self.block_size)
-        ratio = self.full_layout_bytes_per_token(context_len) / self.bytes_per_token(context_len)
-        groups = ", ".join(g.label for g in self.groups)
-        return (
-            f"{head}, shared by {len(self.groups)} group{'s' if len(self.groups) > 1 else ''} "
-            f"({groups}): {fits} sequences of {context_len} tokens fit ({pages} blocks each), "
-            f"{ratio:.2f}x the tokens of the full layout in the same memory ({fits_full} "
-            f"sequences, {full_blocks} blocks of every layer)"
-        )

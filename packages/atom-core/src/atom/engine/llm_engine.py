@@ -78,10 +78,11 @@ class LLMEngine:
 
         def make_block_manager() -> BlockManager:
             return BlockManager(
-                self.executor.num_blocks,
+                self.executor.pool_blocks,
                 config.cache.block_size,
                 prefix_caching,
                 self.kv_layout.windows,
+                self.kv_layout.pool_of,
             )
 
         self.draft_policy = None
@@ -186,13 +187,14 @@ class LLMEngine:
         longest = min(max_len, len(ids) + (params.max_tokens or max_len))
         # A recomputed (preempted) sequence may run as one chunk of up to the token budget.
         bm = self.block_manager
-        pages = bm.pages_held(longest, min(longest, self.config.max_num_batched_tokens))
-        if pages > bm.num_blocks:
-            raise ValueError(
-                f"a sequence of up to {longest} tokens needs {pages} KV blocks at once and "
-                f"does not fit the KV cache ({bm.num_blocks} blocks of {bm.block_size} "
-                "tokens); lower max_tokens or enlarge the cache"
-            )
+        held = bm.pages_held(longest, min(longest, self.config.max_num_batched_tokens))
+        for pool, pages in zip(bm.pools, held):
+            if pages > pool.num_blocks:
+                raise ValueError(
+                    f"a sequence of up to {longest} tokens needs {pages} KV blocks at once and "
+                    f"does not fit the KV cache ({pool.num_blocks} blocks of {bm.block_size} "
+                    "tokens); lower max_tokens or enlarge the cache"
+                )
 
     def add_request(
         self,

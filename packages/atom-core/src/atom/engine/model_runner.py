@@ -13,7 +13,7 @@ from torch import nn
 from atom.config import ConfigError, ModelConfig
 from atom.cuda_graphs import graph_blockers
 from atom.engine.cuda_graphs import StepGraphs
-from atom.engine.kv_groups import KVCacheGroup, attention_impls, shared_slots
+from atom.engine.kv_groups import KVCacheGroup, attention_impls, num_pools, shared_slots
 from atom.engine.speculative_graphs import drafter_shapes, drafter_step, target_step
 from atom.engine.state_cache import is_hybrid
 from atom.engine.step_arrays import StepArrays, StepInput, TokenFeed, build_step_arrays, upload
@@ -100,7 +100,7 @@ def _groups(model: nn.Module, groups: list[KVCacheGroup] | None) -> list[KVCache
 
 def allocate_kv_cache(
     model: nn.Module,
-    num_blocks: int,
+    num_blocks: int | list[int],
     block_size: int,
     dtype: torch.dtype,
     device,
@@ -108,19 +108,23 @@ def allocate_kv_cache(
 ) -> int:
     """Gives every attention layer its cache tensors; returns the bytes allocated.
 
-    With `groups` (kv_groups.plan_kv_groups), the j-th layers of the groups share one
-    set of tensors, and each layer reads its group's block table; default: one group,
+    With `groups` (kv_groups.plan_kv_groups), the j-th layers of a pool's groups share
+    one set of tensors of that pool's `num_blocks` (a list: one count per pool; an int:
+    every pool's), and each layer reads its group's block table; default: one group,
     every layer its own tensors.
     """
+    groups = _groups(model, groups)
+    counts = [num_blocks] * num_pools(groups) if isinstance(num_blocks, int) else num_blocks
     total = 0
-    for members in shared_slots(_groups(model, groups)):
-        tensors = [
-            torch.zeros(shape, dtype=dtype, device=device)
-            for shape in members[0][1].kv_cache_shapes(num_blocks, block_size)
-        ]
-        for group, impl in members:
-            impl.bind_kv_cache(tensors, kv_group=group)
-        total += sum(t.numel() * t.element_size() for t in tensors)
+    for pool, pages in enumerate(counts):
+        for members in shared_slots(groups, pool):
+            tensors = [
+                torch.zeros(shape, dtype=dtype, device=device)
+                for shape in members[0][1].kv_cache_shapes(pages, block_size)
+            ]
+            for group, user in members:
+                user.bind_kv_cache(tensors, kv_group=group)
+            total += sum(t.numel() * t.element_size() for t in tensors)
     return total
 
 
@@ -129,16 +133,17 @@ def kv_cache_page_parts(
     block_size: int,
     dtype: torch.dtype,
     groups: list[KVCacheGroup] | None = None,
+    pool: int = 0,
 ) -> dict[str, int]:
-    """Bytes of one page (allocate_kv_cache's layout) by what the tensors hold: "K/V", or
-    the impl's `kv_cache_labels` (an MLA layer's latents and its indexer keys)."""
+    """Bytes of one page of `pool` (allocate_kv_cache's layout) by what the tensors hold:
+    "K/V", or the impl's `kv_cache_labels` (an MLA layer's latents and its indexer keys)."""
     per_element = torch.empty((), dtype=dtype).element_size()
     parts: dict[str, int] = {}
-    for members in shared_slots(_groups(model, groups)):
-        impl = members[0][1]
-        shapes = impl.kv_cache_shapes(1, block_size)
+    for members in shared_slots(_groups(model, groups), pool):
+        user = members[0][1]
+        shapes = user.kv_cache_shapes(1, block_size)
         labels = (
-            impl.kv_cache_labels() if hasattr(impl, "kv_cache_labels") else ["K/V"] * len(shapes)
+            user.kv_cache_labels() if hasattr(user, "kv_cache_labels") else ["K/V"] * len(shapes)
         )
         for label, shape in zip(labels, shapes):
             parts[label] = parts.get(label, 0) + per_element * torch.Size(shape).numel()
@@ -150,9 +155,10 @@ def kv_cache_bytes_per_block(
     block_size: int,
     dtype: torch.dtype,
     groups: list[KVCacheGroup] | None = None,
+    pool: int = 0,
 ) -> int:
-    """Bytes of one page over all cache tensors (allocate_kv_cache's layout)."""
-    return sum(kv_cache_page_parts(model, block_size, dtype, groups).values())
+    """Bytes of one page of `pool` over its cache tensors (allocate_kv_cache's layout)."""
+    return sum(kv_cache_page_parts(model, block_size, dtype, groups, pool).values())
 
 
 class ModelRunner:

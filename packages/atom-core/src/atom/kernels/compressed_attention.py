@@ -121,9 +121,10 @@ def compressed_entry_topk(
 
 @register("compressed_attention", "torch")
 def compressed_attention_torch(
-    q, kv_cache, entry_cache, metadata, window, rate, chosen, scale, sinks, out
+    q, kv_cache, entry_cache, metadata, window, rate, chosen, scale, sinks, out, entry_table=None
 ):  # fmt: skip
     block_size = kv_cache.shape[1]
+    entry_table = metadata.block_table if entry_table is None else entry_table
     for i, begin, end, seq_len in sequence_spans(metadata, 0, metadata.num_seqs):
         table = metadata.block_table[i]
         positions = query_positions(begin, end, seq_len, q.device)
@@ -132,7 +133,7 @@ def compressed_attention_torch(
         masks = [attention_mask(positions, seq_len, window, first_page * block_size)]
         if entry_cache is not None:
             entries = torch.arange(seq_len // rate, device=q.device)
-            keys.append(read_entries(entry_cache, table, entries, rate, block_size))
+            keys.append(read_entries(entry_cache, entry_table[i], entries, rate, block_size))
             if chosen is None:  # every closed entry: w closes at w * rate + rate - 1
                 masks.append(entries[None, :] < (positions[:, None] + 1) // rate)
             else:
@@ -156,15 +157,18 @@ def compressed_attention(
     chosen: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    entry_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (T: the step's tokens) over each query's last `window` K = V rows of
     kv_cache [num_blocks, block_size, D] and, with an entry_cache [num_blocks,
     entries_per_page, D] of one entry every `rate` tokens, the closed entries it sees: all
     of them, or the indices `chosen` [T, K] (-1: none). sinks [H]: each head's sink logit.
     -> [T, H, D]; `out`, where given, must hold zeros for a token past the step's
-    sequences (a host's padding)."""
+    sequences (a host's padding). The entries' pages are in `entry_table` [B, max_blocks]
+    where they have a block table of their own (the native engine's entry group), else in
+    the metadata's."""
     if out is None:
         out = torch.zeros_like(q)
     return dispatch("compressed_attention", q.device)(
-        q, kv_cache, entry_cache, metadata, window, rate, chosen, scale, sinks, out
+        q, kv_cache, entry_cache, metadata, window, rate, chosen, scale, sinks, out, entry_table
     )

@@ -19,7 +19,7 @@ from atom.kernels.policy import dispatch, register
 
 
 @register("compress_windows", "torch")
-def compress_windows_torch(compressor, row_cache, entry_cache, metadata) -> None:
+def compress_windows_torch(compressor, row_cache, entry_cache, metadata, entry_table=None) -> None:
     rate, block_size = compressor.rate, row_cache.shape[1]
     starts = metadata.host_query_start_loc()
     for i, seq_len in enumerate(metadata.host_seq_lens()):
@@ -34,7 +34,8 @@ def compress_windows_torch(compressor, row_cache, entry_cache, metadata) -> None
         positions = (start[:, None] + offsets).clamp(min=0)
         rows = rows_at(row_cache, token_slots(table, positions, block_size))
         values = compressor.compress(rows, entries)
-        slots = entry_slots(table, entries, rate, block_size)
+        entry_pages = metadata.block_table[i] if entry_table is None else entry_table[i]
+        slots = entry_slots(entry_pages, entries, rate, block_size)
         per_page = entry_cache.shape[1]
         entry_cache[slots // per_page, slots % per_page] = values.to(entry_cache.dtype)
 
@@ -44,8 +45,13 @@ def compress_windows(
     row_cache: torch.Tensor,
     entry_cache: torch.Tensor,
     metadata: AttentionMetadata,
+    entry_table: torch.Tensor | None = None,
 ) -> None:
     """Writes into entry_cache [num_blocks, entries_per_page, head_dim] every entry the
     step's tokens close, from row_cache [num_blocks, block_size, row_width], where the new
-    tokens' rows must already be. compressor: a `KVCompressor`."""
-    dispatch("compress_windows", row_cache.device)(compressor, row_cache, entry_cache, metadata)
+    tokens' rows must already be. compressor: a `KVCompressor`. The rows' pages are in
+    the metadata's block table, the entries' in `entry_table` where it is given (the
+    native engine's entry group)."""
+    dispatch("compress_windows", row_cache.device)(
+        compressor, row_cache, entry_cache, metadata, entry_table
+    )

@@ -1,6 +1,6 @@
 """ATOM's impl of DeepSeek-V4's attention over the paged cache.
 
-Per layer, on the sequence's block table (one set of pages, one slot mapping):
+Per layer, on the sequence's pages:
 
 - the K = V rows of every token [num_blocks, block_size, head_dim], stored once (keys
   and values are the same tensor); queries read those of their sliding window;
@@ -10,6 +10,12 @@ Per layer, on the sequence's block table (one set of pages, one slot mapping):
   serves them like any K/V;
 - the compressed entries (and the indexer's), `entries_per_page` a page
   (atom.kernels.compressed_attention).
+
+Hosts bind all of them on one block table (`bind_kv_cache`). The native engine splits
+them (`kv_cache_parts`): the rows are read only within `rows_reach` tokens of a query, so
+they go to a sliding-window KV-cache group whose pages are freed as the window passes; the
+entries, read back to the start, to a full-history group of their own page shape. The
+impl then reads each through its group's table (`AttentionMetadata.for_kv_group`).
 
 A step first writes the new tokens' rows, then compresses the windows they close
 (atom.kernels.window_compression), then attends: each query over its window's K = V rows
@@ -43,6 +49,7 @@ from atom.kernels.indexer import write_indexer_keys
 from atom.kernels.policy import is_capturable, selected_backend
 from atom.kernels.window_compression import compress_windows
 from atom.layers.attention_spec import AttentionSpec
+from atom.layers.kv_cache_part import KVCachePart
 from atom.layers.kv_compressor import KVCompressor
 
 logger = logging.getLogger(__name__)
@@ -103,6 +110,10 @@ class CompressedCacheLayout:
             shapes.append((num_blocks, entries_per_page(c.rate, block_size), c.head_dim))
         return shapes
 
+    def entry_tensors(self) -> list[int]:
+        """Which of kv_cache_shapes' tensors hold entries (the others: per-token rows)."""
+        return [2 + 2 * i for i in range(len(self.compressors))]
+
 
 @dataclass(frozen=True)
 class IndexerInputs:
@@ -131,8 +142,11 @@ class CompressedAttentionImpl(nn.Module):
         self.__dict__["compressor"] = spec.compressor
         self.__dict__["indexer_compressor"] = spec.indexer_compressor
         self.index_topk = spec.index_topk
-        self.caches: list[torch.Tensor] = []
-        self.kv_group = 0
+        self.caches: list[torch.Tensor | None] = []
+        self.kv_group = 0  # the rows' group (a host's: every tensor's)
+        # The entries' group where the engine keeps them apart (kv_cache_parts); None:
+        # kv_group's, as a host binds them.
+        self.entry_group: int | None = None
 
     @property
     def cuda_graph_safe(self) -> bool:
@@ -157,9 +171,50 @@ class CompressedAttentionImpl(nn.Module):
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         return self.layout.kv_cache_shapes(num_blocks, block_size)
 
+    @property
+    def rows_reach(self) -> int:
+        """How many tokens back from a query (itself included) a step reads rows: its
+        window's K = V rows, and each compressor's span (the token that closes a window
+        reads the window's projection rows, with overlap the window's before too)."""
+        compressors = (self.compressor, self.indexer_compressor)
+        return max([self.window, *(c.span for c in compressors if c is not None)])
+
+    def kv_cache_parts(self) -> list[KVCachePart]:
+        """The native engine's split (atom.engine.kv_groups): the per-token rows, read
+        within `rows_reach` tokens of a query, and the entries, read back to the start."""
+        entries = self.layout.entry_tensors()
+        rows = [i for i in range(len(self.kv_cache_labels())) if i not in entries]
+        parts = [KVCachePart(self, rows, self.rows_reach, self._bind_rows)]
+        if entries:
+            parts.append(KVCachePart(self, entries, None, self._bind_entries))
+        return parts
+
     def bind_kv_cache(self, caches: Sequence[torch.Tensor], kv_group: int = 0) -> None:
-        block_size = caches[0].shape[1]
-        if caches[0].element_size() < 2:
+        self._check_rows(caches[0])
+        self.caches = list(caches)
+        self.kv_group = kv_group
+        self.entry_group = None
+
+    def _bind_rows(self, indices: tuple[int, ...], caches: list[torch.Tensor], group: int) -> None:
+        self._check_rows(caches[0])
+        self._place(indices, caches)
+        self.kv_group = group
+
+    def _bind_entries(
+        self, indices: tuple[int, ...], caches: list[torch.Tensor], group: int
+    ) -> None:
+        self._place(indices, caches)
+        self.entry_group = group
+
+    def _place(self, indices: tuple[int, ...], caches: list[torch.Tensor]) -> None:
+        if len(self.caches) != len(self.kv_cache_labels()):
+            self.caches = [None] * len(self.kv_cache_labels())
+        for i, cache in zip(indices, caches, strict=True):
+            self.caches[i] = cache
+
+    def _check_rows(self, kv_cache: torch.Tensor) -> None:
+        block_size = kv_cache.shape[1]
+        if kv_cache.element_size() < 2:
             raise ConfigError(
                 f"{self.spec.layer_name}: DeepSeek-V4's cache keeps compressor projections; "
                 "an fp8 KV cache is not supported (kv_cache_dtype='auto')"
@@ -171,9 +226,7 @@ class CompressedAttentionImpl(nn.Module):
                     f"{self.spec.layer_name}: block_size={block_size} and compress rate {rate} "
                     "must divide one another"
                 )
-        self.caches = list(caches)
-        self.kv_group = kv_group
-        say_where_torch_runs(caches[0].device)
+        say_where_torch_runs(kv_cache.device)
 
     def forward(
         self,
@@ -183,12 +236,14 @@ class CompressedAttentionImpl(nn.Module):
         indexer: IndexerInputs | None = None,
     ) -> torch.Tensor:
         context = get_forward_context().attn_metadata
-        if context is None or not self.caches:
+        if context is None or not self.caches or any(c is None for c in self.caches):
             raise RuntimeError(
                 f"{self.spec.layer_name}: attention needs a KV cache and step metadata "
                 "(run the model under atom.forward_context.set_forward_context)"
             )
         metadata = context.for_kv_group(self.kv_group)
+        entry_group = self.kv_group if self.entry_group is None else self.entry_group
+        entry_table = context.for_kv_group(entry_group).block_table
         # A host may pad the batch past its metadata's tokens (vLLM's CUDA-graph batches):
         # those rows write nothing and attend to nothing.
         n = metadata.num_tokens
@@ -203,12 +258,13 @@ class CompressedAttentionImpl(nn.Module):
             if compressor is not None:
                 row_cache, entry_cache = next(caches), next(caches)
                 write_indexer_keys(rows[:n], row_cache, metadata.slot_mapping)
-                compress_windows(compressor, row_cache, entry_cache, metadata)
+                compress_windows(compressor, row_cache, entry_cache, metadata, entry_table)
                 entry_caches.append(entry_cache)
         chosen = None
         if indexer is not None:
             chosen = compressed_entry_topk(
-                indexer.q[:n], indexer.weights[:n], entry_caches[1], metadata,
+                indexer.q[:n], indexer.weights[:n], entry_caches[1],
+                context.for_kv_group(entry_group),
                 self.indexer_compressor.rate, kv_cache.shape[1], self.index_topk,
             )  # fmt: skip
         spec = self.spec
@@ -217,6 +273,7 @@ class CompressedAttentionImpl(nn.Module):
         compressed_attention(
             q[:n], kv_cache, metadata, self.window, spec.scale, spec.sinks,
             entry_caches[0] if entry_caches else None, rate, chosen, out=out[:n],
+            entry_table=entry_table,
         )  # fmt: skip
         return out
 

@@ -52,9 +52,9 @@ def _fold_rows(q, rows, valid, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr)
 @triton.jit
 def _compressed_attention_kernel(
     q_ptr, kv_cache_ptr, entry_cache_ptr, chosen_ptr, sinks_ptr, out_ptr,
-    block_table_ptr, token_seq_ptr, token_keys_ptr,
+    block_table_ptr, entry_table_ptr, token_seq_ptr, token_keys_ptr,
     q_stride_t, q_stride_h, kv_stride_b, kv_stride_s, e_stride_b, e_stride_s,
-    c_stride_t, o_stride_t, o_stride_h, bt_stride,
+    c_stride_t, o_stride_t, o_stride_h, bt_stride, et_stride,
     qk_scale, num_heads, head_dim, block_size, window, rate, per_page, pages_per_entry,
     num_chosen,
     ENTRIES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -67,7 +67,9 @@ def _compressed_attention_kernel(
     dim_valid = dims < head_dim
     # Keys the token sees: its position + 1 (0 for a host's padding, which sees nothing).
     num_keys = tl.load(token_keys_ptr + token)
-    table_row = block_table_ptr + tl.load(token_seq_ptr + token).to(tl.int64) * bt_stride
+    seq = tl.load(token_seq_ptr + token).to(tl.int64)
+    table_row = block_table_ptr + seq * bt_stride
+    entry_row = entry_table_ptr + seq * et_stride  # the entries' pages (their own group's)
     q = tl.load(
         q_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
         mask=head_valid[:, None] & dim_valid[None, :],
@@ -90,7 +92,7 @@ def _compressed_attention_kernel(
         for start in range(0, num_keys // rate, BLOCK_N):
             w = start + tl.arange(0, BLOCK_N)
             valid = w < num_keys // rate
-            slots = key_slots(table_row, w, valid, per_page, pages_per_entry)
+            slots = key_slots(entry_row, w, valid, per_page, pages_per_entry)
             rows = load_slot_rows(
                 entry_cache_ptr, slots, valid, e_stride_b, e_stride_s, dims, dim_valid, per_page
             ).to(q.dtype)
@@ -100,7 +102,7 @@ def _compressed_attention_kernel(
             k = start + tl.arange(0, BLOCK_N)
             w = tl.load(chosen_ptr + token * c_stride_t + k, mask=k < num_chosen, other=-1)
             valid = w >= 0
-            slots = key_slots(table_row, w, valid, per_page, pages_per_entry)
+            slots = key_slots(entry_row, w, valid, per_page, pages_per_entry)
             rows = load_slot_rows(
                 entry_cache_ptr, slots, valid, e_stride_b, e_stride_s, dims, dim_valid, per_page
             ).to(q.dtype)
@@ -120,7 +122,7 @@ def pages_per_entry(rate: int, block_size: int) -> int:
 @register("compressed_attention", "triton")
 @capturable
 def compressed_attention_triton(
-    q, kv_cache, entry_cache, metadata, window, rate, chosen, scale, sinks, out
+    q, kv_cache, entry_cache, metadata, window, rate, chosen, scale, sinks, out, entry_table=None
 ):  # fmt: skip
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
@@ -133,13 +135,14 @@ def compressed_attention_triton(
         entries = EVERY_CLOSED_ENTRY if chosen is None else CHOSEN_ENTRIES
     if chosen is None:
         chosen = token_seq[:, None]  # never read
+    entry_table = metadata.block_table if entry_table is None else entry_table
     block_h = min(CONFIG["block_h"], max(16, triton.next_power_of_2(num_heads)))
     _compressed_attention_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         q, kv_cache, entry_cache, chosen, sinks, out,
-        metadata.block_table, token_seq, token_keys,
+        metadata.block_table, entry_table, token_seq, token_keys,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         entry_cache.stride(0), entry_cache.stride(1), chosen.stride(0),
-        out.stride(0), out.stride(1), metadata.block_table.stride(0),
+        out.stride(0), out.stride(1), metadata.block_table.stride(0), entry_table.stride(0),
         scale * math.log2(math.e), num_heads, head_dim, block_size, window, rate,
         entry_cache.shape[1], pages_per_entry(rate, block_size), chosen.shape[1],
         ENTRIES=entries, BLOCK_H=block_h, BLOCK_N=CONFIG["block_n"],

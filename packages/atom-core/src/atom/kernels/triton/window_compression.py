@@ -83,7 +83,7 @@ def _pool_windows_kernel(
 
 @register("compress_windows", "triton")
 @capturable
-def compress_windows_triton(compressor, row_cache, entry_cache, metadata) -> None:
+def compress_windows_triton(compressor, row_cache, entry_cache, metadata, entry_table=None) -> None:
     num_tokens = metadata.num_tokens
     if num_tokens == 0:
         return
@@ -103,7 +103,8 @@ def compress_windows_triton(compressor, row_cache, entry_cache, metadata) -> Non
     values = compressor.finish(pooled, entries)
     # An entry lives in the page of the token that closes it (atom.kernels.compressed_attention).
     positions = (token_keys.long() - 1).clamp(min=0)
-    pages = metadata.block_table[token_seq.long(), positions // block_size].long()
+    entry_table = metadata.block_table if entry_table is None else entry_table
+    pages = entry_table[token_seq.long(), positions // block_size].long()
     per_page = entry_cache.shape[1]
     slots = torch.where(closes, pages * per_page + entries % per_page, -1)
     write_indexer_keys(values, entry_cache, slots)
