@@ -84,7 +84,9 @@ def test_pages_shared_with_another_sequence_do_not_count_as_given_back():
         run_chunk(bm, first, 1)
         assert bm.num_free_blocks == free_before - needed
     assert first.num_released_blocks[1] == 9  # (44 - 7) // 4
-    assert all(bm.pools[0].ref_counts[p] == 1 and p not in bm.pools[0].free for p in live_pages(second, 1))
+    assert all(
+        bm.pools[0].ref_counts[p] == 1 and p not in bm.pools[0].free for p in live_pages(second, 1)
+    )
     for seq in (first, second):
         bm.free_sequence(seq)
     assert bm.num_free_blocks == 64

@@ -29,9 +29,7 @@ def checkpoint(tmp_path_factory):
 
 def engine(checkpoint, **kwargs) -> LLM:
     options = dict(block_size=BLOCK, kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=16)
-    return LLM(
-        model=str(checkpoint), dtype="float32", skip_tokenizer_init=True, **options | kwargs
-    )
+    return LLM(model=str(checkpoint), dtype="float32", skip_tokenizer_init=True, **options | kwargs)
 
 
 def tokens(outputs) -> list[list[int]]:
@@ -69,9 +67,11 @@ def test_rows_and_entries_take_pools_of_their_own_and_the_summary_says_so(checkp
     # reach-8 rows and 9 of HCA's: 98816 bytes; 8 MiB buys 84.9 such sequences.
     assert layout.prefill_chunk == 16
     budget = 8 << 20
-    assert [pool.num_blocks for pool in layout.pools] == [
-        budget * pages // 98816 for pages in (128, 7, 9)
-    ] == [10866, 594, 764]
+    assert (
+        [pool.num_blocks for pool in layout.pools]
+        == [budget * pages // 98816 for pages in (128, 7, 9)]
+        == [10866, 594, 764]
+    )
     # Decoding, a 512-token sequence holds 128 + 3 + 5 pages: 141 bytes a token, against
     # 1760 with every layer keeping every page.
     assert layout.bytes_per_token(512) == (128 * 384 + 3 * 5120 + 5 * 1536) / 512 == 141
