@@ -22,11 +22,14 @@ from atom.cuda_graphs import graph_blockers
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
 from atom.kernels import policy
 from atom.layers.compressed_attention_impl import STEP_OPS
-from atom.testing import random_prompts, tiny_config
-from atom.testing.trained_look import draw_hash_tables
+from atom.testing import random_prompts
 from atom.testing.triton_device import triton_test_device
-from tests.models.harness import write_with_random_vectors
-from tests.models.test_deepseek_v4 import tokens_through_graph_buffers
+from tests.models.test_deepseek_v4 import (
+    GREEDY,
+    hf_generate,
+    tokens_through_graph_buffers,
+    write_v4,
+)
 
 pytest.importorskip("triton")
 
@@ -80,12 +83,6 @@ def run_steps(model) -> list[torch.Tensor]:
     return logits
 
 
-def write_v4(folder):
-    write_with_random_vectors(tiny_config(ARCHITECTURE), folder)
-    draw_hash_tables(folder, tiny_config(ARCHITECTURE).n_routed_experts)
-    return folder
-
-
 def test_triton_route_equals_torch_route(tmp_path, route):
     write_v4(tmp_path)
     model = build_model(ModelConfig.from_pretrained(tmp_path, dtype=torch.float32), DEVICE,
@@ -120,6 +117,28 @@ def test_triton_route_is_capturable_and_its_graph_buffers_give_eager_tokens(tmp_
         folder, PROMPTS, PARAMS, DEVICE, kv_cache_memory_bytes=KV_BYTES
     )
     assert staged == eager
+
+
+def test_triton_route_reads_rows_and_entries_through_their_groups_tables(tmp_path, route):
+    """The engine's split layout (rows in window groups of reach 8 and 16, entries in a
+    full group, each its own pool: test_deepseek_v4_kv_pools.py) on the Triton kernels:
+    HF's greedy tokens through chunked prefill and a prefix hit."""
+    folder = write_v4(tmp_path, sliding_window=8)
+    shared = random_prompts([28], seed=7)[0]
+    prompts = [shared + [5, 6], shared + [9]]
+    expected = hf_generate(folder, prompts)
+    route("triton")
+    # Pools of 17 entry pages and 7 + 9 row pages: the row pools reuse the pages their
+    # windows passed while the entry pool still hands out new ones, so a page id means
+    # another page in each table (a kernel reading the wrong table reads wrong rows).
+    llm = LLM(
+        str(folder), dtype="float32", device=DEVICE, skip_tokenizer_init=True, block_size=4,
+        max_num_batched_tokens=16, max_model_len=64, kv_cache_memory_bytes=60_000,
+    )  # fmt: skip
+    assert [pool.num_blocks for pool in llm.engine.kv_layout.pools] == [17, 7, 9]
+    got = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert got[1].num_cached_tokens == 28
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
