@@ -62,15 +62,19 @@ def test_rows_and_entries_take_pools_of_their_own_and_the_summary_says_so(checkp
     # Every layer keeping every page: K = V of 3 layers, CSA's 2 + 2 rows and 2 entry
     # slots, HCA's rows and entry slot: 440 elements a token.
     assert layout.full_layout_page_bytes == 440 * 4 * BLOCK
-    # The split (kv_layout.split_budget): a 512-token sequence prefilled in chunks of 16
-    # holds at its peak 128 entry pages, ceil((8 - 1 + 16) / 4) + 1 = 7 pages of the
-    # reach-8 rows and 9 of HCA's: 98816 bytes; 8 MiB buys 84.9 such sequences.
+    # The split (kv_layout.split_budget): a chunk of 16 adds 7 - 3 pages to the reach-8
+    # rows' window and 9 - 5 to HCA's (26624 bytes); the rest buys as many decoding
+    # 512-token sequences of each pool: 128 + 3 + 5 pages, 72192 bytes.
     assert layout.prefill_chunk == 16
-    budget = 8 << 20
+    rest = (8 << 20) - 4 * 5120 - 4 * 1536
     assert (
         [pool.num_blocks for pool in layout.pools]
-        == [budget * pages // 98816 for pages in (128, 7, 9)]
-        == [10866, 594, 764]
+        == [
+            rest * 128 // 72192,
+            rest * 3 // 72192 + 4,
+            rest * 5 // 72192 + 4,
+        ]
+        == [14826, 351, 583]
     )
     # Decoding, a 512-token sequence holds 128 + 3 + 5 pages: 141 bytes a token, against
     # 1760 with every layer keeping every page.
@@ -79,18 +83,19 @@ def test_rows_and_entries_take_pools_of_their_own_and_the_summary_says_so(checkp
     summary = engine(checkpoint).engine.kv_cache_summary()
     assert summary.startswith(
         "KV cache (float32) in 3 pools by page shape, the memory split so that each holds "
-        "as many 512-token sequences at their peak (prefill chunks of 16 tokens): "
-        "pool 0 (2 full-attention layers): 10866 blocks of 4 tokens, 96 B per token "
+        "as many decoding 512-token sequences, the window pools a prefill chunk of 16 "
+        "tokens more: pool 0 (2 full-attention layers): 14826 blocks of 4 tokens, 96 B per "
+        "token "
         "(64 B compressor entries + 32 B indexer entries); "
-        "pool 1 (2 sliding-window(8) layers): 594 blocks of 4 tokens, 1280 B per token "
+        "pool 1 (2 sliding-window(8) layers): 351 blocks of 4 tokens, 1280 B per token "
         "(256 B K=V + 512 B compressor rows + 512 B indexer rows); "
-        "pool 2 (1 sliding-window(16) layer): 764 blocks of 4 tokens, 384 B per token "
+        "pool 2 (1 sliding-window(16) layer): 583 blocks of 4 tokens, 384 B per token "
         "(128 B K=V + 256 B compressor rows): "
     )
-    # min(10866 // 128, 594 // 3, 764 // 5) sequences; the same bytes in full-layout pages
-    # (8387328 // 7040 = 1191) hold 9.
+    # min(14826 // 128, 351 // 3, 583 // 5) sequences; the same bytes in full-layout pages
+    # (8385792 // 7040 = 1191) hold 9.
     assert summary.endswith(
-        "84 sequences of 512 tokens fit (128 + 3 + 5 blocks each), 12.48x the tokens of the "
+        "115 sequences of 512 tokens fit (128 + 3 + 5 blocks each), 12.48x the tokens of the "
         "full layout in the same memory (9 sequences, 1191 blocks of every layer)"
     )
 
@@ -118,11 +123,10 @@ def test_chunked_prefill_and_prefix_hit_equal_hf_generate(checkpoint):
 def test_preemption_equals_hf_generate(checkpoint):
     prompts = random_prompts([70, 66, 75, 60], seed=23)
     expected = hf_generate(checkpoint, prompts)
-    # Sized for 128-token sequences (61952 bytes each at their peak), 90 kB buys 46 entry
-    # pages and 10 + 13 row pages: the four sequences, prefilling in chunks of 16, do not
-    # fit at once.
-    llm = engine(checkpoint, max_model_len=128, kv_cache_memory_bytes=90_000)
-    assert [pool.num_blocks for pool in llm.engine.kv_layout.pools] == [46, 10, 13]
+    # 80 kB: 48 entry pages, 8 + 11 row pages (one decoding 128-token sequence, 32 + 3 + 5
+    # pages, and a chunk's 4 + 4): the four sequences do not fit at once.
+    llm = engine(checkpoint, max_model_len=128, kv_cache_memory_bytes=80_000)
+    assert [pool.num_blocks for pool in llm.engine.kv_layout.pools] == [48, 8, 11]
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert llm.engine.stats().num_preemptions > 0
     assert_all_blocks_free(llm)

@@ -128,14 +128,14 @@ def test_triton_route_reads_rows_and_entries_through_their_groups_tables(tmp_pat
     prompts = [shared + [5, 6], shared + [9]]
     expected = hf_generate(folder, prompts)
     route("triton")
-    # Pools of 17 entry pages and 7 + 9 row pages: the row pools reuse the pages their
+    # Pools of 18 entry pages and 7 + 9 row pages: the row pools reuse the pages their
     # windows passed while the entry pool still hands out new ones, so a page id means
     # another page in each table (a kernel reading the wrong table reads wrong rows).
     llm = LLM(
         str(folder), dtype="float32", device=DEVICE, skip_tokenizer_init=True, block_size=4,
         max_num_batched_tokens=16, max_model_len=64, kv_cache_memory_bytes=60_000,
     )  # fmt: skip
-    assert [pool.num_blocks for pool in llm.engine.kv_layout.pools] == [17, 7, 9]
+    assert [pool.num_blocks for pool in llm.engine.kv_layout.pools] == [18, 7, 9]
     got = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in got] == expected
     assert got[1].num_cached_tokens == 28

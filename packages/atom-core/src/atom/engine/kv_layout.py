@@ -34,21 +34,22 @@ def split_budget(
 ) -> list[int]:
     """The pages of each pool that `budget` bytes buy.
 
-    The pools' pages are not interchangeable, so the split is fixed at start: each pool
-    gets the share that lets it hold as many `max_len`-token sequences at their peak as
-    every other, pool k's share being the pages one such sequence holds of it at once
-    when it prefills in chunks of `chunk` tokens (pages_held: a window group's window
-    and a chunk, a full group's every page) times its page bytes, over the sum of those.
-    One pool gets everything. Decoding sequences hold only their window's pages, so the
-    window pools keep room for chunked prefills; shorter sequences hold as many window
-    pages each and fewer full-history ones, so they fill a window pool first.
+    The pools' pages are not interchangeable, so the split is fixed at start. Each pool
+    first keeps the pages that a prefill chunk of `chunk` tokens adds to a sequence's
+    windows (pages_held with the chunk, less with one token: none for a full group; the
+    step's token budget bounds all sequences' chunks together, so one chunk's worth
+    serves them). The rest is split so that every pool holds as many decoding
+    `max_len`-token sequences: pool k gets the pages one such sequence holds of it times
+    its page bytes, over the sum of those. One pool gets everything. Shorter sequences
+    hold as many window pages each and fewer full-history ones, so they fill a window
+    pool first.
     """
-    peak = [
-        pages_held(pool_windows(groups, pool), block_size, max_len, chunk)
-        for pool in range(len(page_bytes))
-    ]
-    sequence_bytes = sum(p * b for p, b in zip(peak, page_bytes))
-    return [budget * pages // sequence_bytes for pages in peak]
+    windows = [pool_windows(groups, pool) for pool in range(len(page_bytes))]
+    decoding = [pages_held(w, block_size, max_len) for w in windows]
+    chunk_pages = [pages_held(w, block_size, max_len, chunk) - d for w, d in zip(windows, decoding)]
+    rest = budget - sum(p * b for p, b in zip(chunk_pages, page_bytes))
+    sequence_bytes = sum(p * b for p, b in zip(decoding, page_bytes))
+    return [max(0, rest * d // sequence_bytes + c) for d, c in zip(decoding, chunk_pages)]
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class KVCacheLayout:
     pools: list[KVPool]
     block_size: int
     full_layout_page_bytes: int  # one page if every layer kept every page (one pool)
-    prefill_chunk: int = 1  # the chunk split_budget sized the pools for
+    prefill_chunk: int = 1  # the chunk split_budget kept room for
 
     @property
     def windows(self) -> list[int | None]:
@@ -125,8 +126,8 @@ class KVCacheLayout:
             )
             head = (
                 f"KV cache ({dtype}) in {len(self.pools)} pools by page shape, the memory "
-                f"split so that each holds as many {context_len}-token sequences at their "
-                f"peak (prefill chunks of {self.prefill_chunk} tokens): {parts}"
+                f"split so that each holds as many decoding {context_len}-token sequences, "
+                f"the window pools a prefill chunk of {self.prefill_chunk} tokens more: {parts}"
             )
         held = self.pages_held(context_len)
         fits = min(pool.num_blocks // p for pool, p in zip(self.pools, held))
