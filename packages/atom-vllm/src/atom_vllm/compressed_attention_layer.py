@@ -14,7 +14,8 @@ makes that one vLLM layer, as `VllmMLAAttention` does for MLA (both on
   it by the request's block table and slot mapping, shares it on prefix hits and frees it
   with the request. The layers' rows differ in width (a sliding-only layer keeps only
   K = V), so vLLM puts them in one group of `UniformTypeKVCacheSpecs`, each its own
-  tensor: every layer keeps every page, the full layout the native engine also uses;
+  tensor: every layer keeps every page (the native engine frees the rows' pages as the
+  window passes, in a KV-cache group of their own: docs/architecture.md);
 * `bind_kv_cache` hands the impl its views of that page (`unpack_pages`);
 * `forward` runs the impl, which reads the step from ATOM's forward context
   (`atom_vllm.step.StepBridge`), or returns zeros in vLLM's profiling and dummy runs,

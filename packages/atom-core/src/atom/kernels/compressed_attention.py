@@ -1,10 +1,11 @@
 """DeepSeek-V4's compressed attention over paged caches: where the compressed KV entries
 live, the indexer's selection of them, and the attention (torch references).
 
-A layer compressing every `rate` tokens keeps its entries on the sequence's own block
-table, in a cache tensor [num_blocks, entries_per_page, width]: entry w lives in the page
-of the token that closes it (position w * rate + rate - 1), so it depends only on tokens
-of that page and the ones before it. Prefix caching and freeing then follow the token
+A layer compressing every `rate` tokens keeps its entries in a cache tensor [num_blocks,
+entries_per_page, width], on a block table of the sequence (its rows' own, or the native
+engine's entry group's, `entry_table`: a table maps positions to pages alike): entry w
+lives in the page of the token that closes it (position w * rate + rate - 1), so it
+depends only on tokens of that page and the ones before it. Prefix caching and freeing then follow the token
 pages: a cached page carries every entry its tokens closed, and a page shared by a prefix
 hit is never written again. A page of B tokens closes B / rate entries (at least one page
 in rate / B holds one when B < rate); B and rate are powers of two.

@@ -1,9 +1,9 @@
 """Triton DeepSeek-V4 compressed attention (atom.kernels.compressed_attention): one
 program per (query token, block of heads) folds, in one online softmax started from the
 head's sink, the K = V rows of the token's sliding window (through the block table) and
-then the compressed entries it sees: every closed one (HCA, counted from its position) or
-its indexer's chosen ones (CSA, a list of entry indices). Each row is loaded once per head
-block and serves as key and as value.
+then the compressed entries it sees (through the entries' table, `entry_table`): every
+closed one (HCA, counted from its position) or its indexer's chosen ones (CSA, a list of
+entry indices). Each row is loaded once per head block and serves as key and as value.
 
 The selection scores every closed entry with the lightning indexer's kernel, the entries
 being keys that sit in the page of their last token (atom.kernels.triton.indexer), then

@@ -5,7 +5,8 @@ at once unless its token closes a window; otherwise it reads the window's kv | g
 (with overlap the previous window's too) through the block table and writes their gated
 sum (`KVCompressor.pool`: softmax over the window of gate + position bias, per channel).
 The compressor's norm and rope then run over every token's row, and the entries are
-written at the slots of the tokens that close one (-1 for the rest). Every bound comes
+written at the slots of the tokens that close one (-1 for the rest), in the pages of the
+entries' table (`entry_table`, the rows' by default). Every bound comes
 from device tensors (`AttentionMetadata.query_token_bounds`): no host sync.
 """
 
