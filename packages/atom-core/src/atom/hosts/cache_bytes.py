@@ -3,7 +3,7 @@
 A DeepSeek Sparse Attention layer keeps its indexer keys in the latents' pages, so a
 host that sizes its pages from ATOM's row (vLLM's spec, SGLang's pool) holds fewer
 tokens than for dense MLA; the plugins print the split at start-up, as the native engine
-does (atom.engine.kv_groups). DeepSeek-V4's layers pack several tensors into one row per
+does (atom.engine.kv_layout). DeepSeek-V4's layers pack several tensors into one row per
 token (atom.hosts.packed_pages): `packed_bytes_per_token` splits that row the same way.
 """
 
