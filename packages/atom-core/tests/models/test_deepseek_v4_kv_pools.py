@@ -141,11 +141,12 @@ def test_a_long_sequence_holds_its_windows_rows_and_every_entry(checkpoint):
     request = llm.engine.add_request(random_prompts([100], seed=24)[0], params)
     seq = llm.engine.requests[request].seqs[0]
     pools = llm.engine.block_manager.pools
-    seen = []
+    seen, usage = [], []
     while llm.engine.scheduler.has_work():
         llm.engine.step()
         if seq.block_tables:
             seen.append((seq.num_computed_tokens, [pool.in_use for pool in pools]))
+            usage.append(llm.engine.stats().kv_cache_usage)
     assert seen[-1][0] == 138  # the last step frees the sequence
     for computed, (entries, rows_8, rows_16) in seen:
         assert entries == -(-computed // BLOCK)
@@ -159,4 +160,6 @@ def test_a_long_sequence_holds_its_windows_rows_and_every_entry(checkpoint):
     in_use = sum(n * pool.page_bytes for n, pool in zip(seen[-1][1], layout.pools))
     assert in_use == 36480 and 35 * layout.full_layout_page_bytes == 246400
     assert [pool.peak_in_use for pool in pools] == [35, 6, 8]
+    # The metric follows the fullest pool: 5 of HCA's 583 row pages before the end.
+    assert usage[-1] == 5 / 583
     assert_all_blocks_free(llm)

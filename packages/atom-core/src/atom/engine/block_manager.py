@@ -93,6 +93,12 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return sum(len(pool.free) for pool in self.pools)
 
+    @property
+    def usage(self) -> float:
+        """The fullest pool's fraction of pages in use (pools' pages differ in size, and
+        the fullest one holds sequences back)."""
+        return max(pool.in_use / pool.num_blocks for pool in self.pools)
+
     def pool_windows(self, pool: int) -> list[int | None]:
         return [w for w, p in zip(self.windows, self.pool_of) if p == pool]
 

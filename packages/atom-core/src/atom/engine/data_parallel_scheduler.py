@@ -146,6 +146,10 @@ class DataParallelScheduler:
         return sum(bm.num_free_blocks for bm in self.block_managers)
 
     @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
     def prefix_queries(self) -> int:
         return sum(bm.prefix_queries for bm in self.block_managers)
 

@@ -516,7 +516,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_blocks,
-            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            kv_cache_usage=bm.usage,
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
