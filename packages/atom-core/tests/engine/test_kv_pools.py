@@ -30,7 +30,7 @@ def test_each_group_takes_and_gives_back_pages_of_its_own_pool():
     assert entries.in_use == len(seq.block_tables[0]) == 19  # every page of 76 tokens
     assert rows.in_use == len(live_pages(seq, 1)) <= 3  # ceil(8 / 4) + 1
     # The window's table covers 19 pages from a pool of 6, reusing those it passed: the
-    # next token (75) sees 68..75, so pages 0-16 are placeholders.
+    # last step's token (75) saw 68..75, so pages 0-16 are placeholders.
     assert len(seq.block_tables[1]) == 19 > rows.num_blocks
     assert seq.block_tables[1][: seq.num_released_blocks[1]] == [FREED_PAGE] * 17
     assert (entries.peak_in_use, rows.peak_in_use) == (19, 4)

@@ -1,4 +1,4 @@
-"""The KV page pool: allocation, reference counts and prefix caching by block hash.
+"""The KV page pools: allocation, reference counts and prefix caching by block hash.
 
 Pure Python. A full page is identified by a hash of its tokens chained with the hash of
 the page before it (64-bit BLAKE2b from the standard library: no extra dependency on
