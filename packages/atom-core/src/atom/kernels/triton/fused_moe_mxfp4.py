@@ -101,9 +101,7 @@ def _mxfp4_moe_gemm_kernel(
     kb = tl.arange(0, HALF_K)  # byte b of a K tile holds k = 2b and 2b + 1
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + 2 * kb[None, :]
     byte_ptrs = blocks_ptr + expert * stride_be + w_rows[None, :] * stride_bn + kb[:, None]
-    scale_ptrs = (
-        scales_ptr + expert * stride_se + w_rows[None, :] * stride_sn + (kb // 16)[:, None]
-    )
+    scale_ptrs = scales_ptr + expert * stride_se + w_rows[None, :] * stride_sn + (kb // 16)[:, None]
     acc = tl.zeros((BLOCK_M, w_rows.shape[0]), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = 2 * kb < K - k0  # K is whole groups of 32, so odd k share the even's mask
