@@ -15,8 +15,11 @@ import logging
 import pytest
 
 from atom import LLM
+from atom.engine import llm as llm_module
+from atom.engine.state_cache import state_bytes_per_slot
 from atom.testing.eagle3_checkpoints import write_drafter, write_target
 from atom.testing.mtp_checkpoints import write_mtp_checkpoint
+from tests.engine.test_data_parallel_graph_inputs import engine_with_static_graph_inputs
 from tests.speculative.workload import run
 
 K = 3
@@ -35,7 +38,7 @@ def checkpoint(case: str, kind: str, tmp_path) -> tuple[str, dict]:
 
 
 CASES = [
-    ("deepseek-v3", "repeat"),  # MLA: on the GPU its verify step stays eager
+    ("deepseek-v3", "repeat"),  # MLA: the verify step takes the absorbed decode path
     ("glm-4.5", "repeat"),
     ("LlamaForCausalLM", "repeat"),
     ("Qwen3ForCausalLM", "random"),
@@ -101,3 +104,27 @@ def test_a_hybrid_verify_step_rolls_back_from_the_static_buffers(tmp_path, case,
     stats = llm.engine.spec_stats
     assert stats == eager.engine.spec_stats
     assert stats.acceptance_rate < (0.1 if kind == "random" else 0.9), stats
+
+
+def test_a_hybrid_verify_steps_checkpoints_come_out_of_the_kv_budget(tmp_path, monkeypatch):
+    """The captured verify step's state records live as long as the graphs: the KV budget
+    leaves a state slot for each sequence of the largest verify batch."""
+    folder, spec = checkpoint("qwen3-next", "random", tmp_path)
+    budget = 4 << 20
+    common = dict(
+        model=folder, dtype="float32", skip_tokenizer_init=True, speculative_config=spec,
+        kv_cache_memory_bytes=budget, max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
+    )  # fmt: skip
+    eager = LLM(**common).engine.executor
+    monkeypatch.setattr(llm_module, "LLMEngine", engine_with_static_graph_inputs)
+    llm = LLM(**common)
+    executor = llm.engine.executor
+    verify_batch = 16 // (K + 1)
+    slot_bytes = state_bytes_per_slot(executor.model)
+    (pool,) = executor.kv_layout.pools
+    freed = (eager.num_blocks - executor.num_blocks) * pool.page_bytes
+    assert abs(freed - slot_bytes * verify_batch) < pool.page_bytes  # whole pages
+    run(llm)
+    records = executor.runner.target_graphs[K + 1].state_checkpoints.records.values()
+    kept = sum(r.conv.nbytes + r.recurrent.nbytes for r in records)
+    assert kept == slot_bytes * verify_batch

@@ -47,6 +47,7 @@ from atom.engine.model_runner import (
     allocate_kv_cache,
     build_model,
     check_fp8_kv_cache,
+    graph_batch_size,
     kv_cache_bytes_per_block,
     kv_cache_page_parts,
 )
@@ -144,6 +145,7 @@ class _Shard:
                 "on CPU, set kv_cache_memory_bytes (or num_blocks) to size the KV cache"
             )
         budget -= self.state_slot_bytes * num_state_slots(self.config.max_num_seqs)
+        budget -= self.state_slot_bytes * self.verify_checkpoint_slots()
         page_bytes = self.page_bytes()
         blocks = split_budget(
             max(budget, 0), self.kv_groups, page_bytes, cache.block_size,
@@ -155,6 +157,18 @@ class _Shard:
                 f"({' + '.join(map(str, page_bytes))} bytes)"
             )
         return blocks
+
+    def verify_checkpoint_slots(self) -> int:
+        """The sequences whose states a captured verify step keeps for the rollback, in
+        buffers that live as long as the graphs (state_rollback.StaticCheckpoints): about
+        one state slot each, for the largest verify batch. 0 without a hybrid model's
+        speculative decoding in graphs."""
+        config = self.config
+        graphs = config.use_cuda_graphs or config.static_graph_inputs
+        if not (self.state_slot_bytes and config.speculative and graphs):
+            return 0
+        query_len = config.speculative.num_speculative_tokens + 1
+        return graph_batch_size(config.max_num_seqs, config.max_num_batched_tokens, query_len)
 
     def allocate(self, num_blocks: list[int]) -> ModelRunner:
         config, cache = self.config, self.config.cache

@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 512
 
 
+def graph_batch_size(max_num_seqs: int, max_num_tokens: int, query_len: int) -> int:
+    """The largest batch captured for steps of query_len tokens per sequence (0: none)."""
+    return min(max_num_seqs, MAX_GRAPH_BATCH, max_num_tokens // query_len)
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -209,7 +214,7 @@ class ModelRunner:
 
         def build(name, module, step, query_len, hybrid=False, device_inputs=None):
             nonlocal pool
-            batch_size = min(max_batch_size, max_num_tokens // query_len)
+            batch_size = graph_batch_size(max_batch_size, max_num_tokens, query_len)
             if batch_size < 1:
                 return None  # the token budget never schedules such a step
             blockers = graph_blockers(module, self.device, query_len) if capture else []
