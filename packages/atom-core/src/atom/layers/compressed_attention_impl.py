@@ -243,7 +243,8 @@ class CompressedAttentionImpl(nn.Module):
             )
         metadata = context.for_kv_group(self.kv_group)
         entry_group = self.kv_group if self.entry_group is None else self.entry_group
-        entry_table = context.for_kv_group(entry_group).block_table
+        entry_metadata = context.for_kv_group(entry_group)
+        entry_table = entry_metadata.block_table
         # A host may pad the batch past its metadata's tokens (vLLM's CUDA-graph batches):
         # those rows write nothing and attend to nothing.
         n = metadata.num_tokens
@@ -263,8 +264,7 @@ class CompressedAttentionImpl(nn.Module):
         chosen = None
         if indexer is not None:
             chosen = compressed_entry_topk(
-                indexer.q[:n], indexer.weights[:n], entry_caches[1],
-                context.for_kv_group(entry_group),
+                indexer.q[:n], indexer.weights[:n], entry_caches[1], entry_metadata,
                 self.indexer_compressor.rate, kv_cache.shape[1], self.index_topk,
             )  # fmt: skip
         spec = self.spec
