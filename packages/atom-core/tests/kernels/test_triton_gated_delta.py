@@ -193,9 +193,9 @@ def test_prefill_launch_configs(launch, dtype, monkeypatch):
 # The chunk-local kernels ChunkLaunch(prepare=...) selects, and the input-dtype products of
 # the state and output kernels: every variant beside today's default.
 VARIANTS = {
-    "staged": dict(prepare="staged"),
-    "staged, input-dtype dots": dict(prepare="staged", low_precision_dots=True),
-    "fused, input-dtype dots": dict(low_precision_dots=True),
+    "fused": dict(prepare="fused", low_precision_dots=False),
+    "fused, input-dtype dots": dict(prepare="fused"),
+    "staged, fp32 dots": dict(low_precision_dots=False),
 }
 
 
@@ -206,15 +206,13 @@ def use_variant(monkeypatch, fields):
         monkeypatch.setattr(triton_gated_delta, name, replace(launch, **fields))
 
 
-# (variant, chunk size, dtype): the staged prepare at the smallest and the largest chunk;
+# (variant, chunk size, dtype): the fused prepare at the smallest and the largest chunk;
 # the input-dtype products (state and output kernels, which do not depend on how the
 # prepare step is split) where they round: bf16 inputs. Few cases: the interpreter is slow.
 VARIANT_CASES = {
-    "staged, chunk 16, fp32": (VARIANTS["staged"], 16, torch.float32),
-    "staged, chunk 64, bf16": (VARIANTS["staged"], 64, torch.bfloat16),
-    "staged, input-dtype dots, chunk 64, bf16": (
-        VARIANTS["staged, input-dtype dots"], 64, torch.bfloat16,
-    ),
+    "fused, chunk 16, fp32": (VARIANTS["fused"], 16, torch.float32),
+    "fused, chunk 64, bf16": (VARIANTS["fused"], 64, torch.bfloat16),
+    "staged, fp32 dots, chunk 64, bf16": (VARIANTS["staged, fp32 dots"], 64, torch.bfloat16),
     "fused, input-dtype dots, chunk 64, bf16": (
         VARIANTS["fused, input-dtype dots"], 64, torch.bfloat16,
     ),
@@ -233,8 +231,8 @@ def test_prefill_variants(variant, chunk_size, dtype, monkeypatch):
     check(*run_both(batch, lens, 24**-0.5, chunk_size=chunk_size), dtype)
 
 
-def test_staged_prepare_without_l2norm(monkeypatch):
-    use_variant(monkeypatch, VARIANTS["staged"])
+def test_fused_prepare_without_l2norm(monkeypatch):
+    use_variant(monkeypatch, VARIANTS["fused"])
     lens = [5, 37]
     batch = make_batch(lens, 2, 4, 32, 32, torch.float32, [False, True], unit_keys=True, seed=9)
     check(*run_both(batch, lens, 32**-0.5, use_l2norm=False), torch.float32)

@@ -96,12 +96,10 @@ class ChunkLaunch:
     The low_precision_* flags keep scratch in the input dtype (bf16 for the models) instead
     of fp32, halving its traffic: W and U feed the state recursion (bf16: 4e-3 relative
     state error at Dk = Dv = 128 under the interpreter, the same after 256 and 4096
-    tokens); the deltas and chunk states feed only the outputs. By default all products take fp32
-    operands (tf32 for bf16 inputs): the state kernel adds S up in fp32, and Triton's
-    interpreter computes fp32 products right, unlike bf16 ones.
+    tokens); the deltas and chunk states feed only the outputs.
 
-    prepare="staged" runs the chunk-local part as two light kernels instead of the fused
-    one (atom.kernels.triton.gated_delta_prepare_staged: an fp32 inverse per chunk, then
+    prepare="staged" (the default) runs the chunk-local part as two light kernels instead of
+    the fused one (atom.kernels.triton.gated_delta_prepare_staged: an fp32 inverse per chunk, then
     W and U as tensor-core products of raw inputs in the input dtype); apply_warps are
     its second kernel's. low_precision_dots feeds the output kernel's products and the
     state kernel's W S input-dtype operands (bf16 tensor cores, fp32 accumulate) instead
@@ -109,9 +107,10 @@ class ChunkLaunch:
     twice the tensor-core rate. The state update k^T delta keeps fp32 operands (bf16 ones
     doubled the state error in the CPU tests, to 1.1e-2 against a 1e-2 tolerance). Under
     Triton's interpreter the operands are rounded to the input dtype and multiplied in
-    fp32."""
+    fp32. The staged prepare with input-dtype dots won the H100 sweep at every prefill
+    shape (docs/performance.md, "Gated delta chunk launches")."""
 
-    prepare: str = "fused"
+    prepare: str = "staged"
     prepare_warps: int = 4
     apply_warps: int = 4
     state_block_v: int = 32
@@ -122,7 +121,7 @@ class ChunkLaunch:
     output_warps: int = 4
     low_precision_wu: bool = True
     low_precision_deltas: bool = True
-    low_precision_dots: bool = False
+    low_precision_dots: bool = True
 
     def __post_init__(self):
         if self.prepare not in PREPARE_VARIANTS:
