@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from atom.engine.step_arrays import StepInput, build_step_arrays, upload
+from atom.engine.step_arrays import StepInput, build_step_arrays, pad_rows_in_front, upload
 from atom.forward_context import AttentionMetadata
 
 BLOCK = 4
@@ -78,3 +78,31 @@ def test_staged_buffers_views_and_partial_upload():
     device = buffers.device
     assert device["ids"].tolist() == [1, 2, 3, 4, 5] and device["lens"].tolist() == [7] * 5
     assert device["table"].tolist() == [[0, 1, 2], [3, 4, 5]] + [[0, 0, 0]] * 3
+
+
+def test_padding_rows_in_front_sit_at_earlier_positions_and_write_nowhere():
+    """A ragged batch padded to 4 rows a sequence is the batch whose sequences start that
+    many rows earlier with padding tokens, except that the padding rows write no slot."""
+    batch = [
+        StepInput([11], 9, [[5, 6, 7]]),
+        StepInput([21, 22, 23, 24], 3, [[8, 9]]),
+        StepInput([31, 32], 6, [[1, 2]]),
+    ]
+    padded, token_rows = pad_rows_in_front(build_step_arrays(batch, BLOCK), 4)
+    front = [StepInput([0] * (4 - len(x.token_ids)) + x.token_ids, x.start_position
+                       - (4 - len(x.token_ids)), x.block_tables) for x in batch]  # fmt: skip
+    expected = build_step_arrays(front, BLOCK)
+    assert token_rows.tolist() == [3, 4, 5, 6, 7, 10, 11]
+    for field in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table"):
+        assert np.array_equal(getattr(padded, field), getattr(expected, field)), field
+    kept = np.zeros(12, bool)
+    kept[token_rows] = True
+    assert np.array_equal(padded.slot_mapping[:, kept], expected.slot_mapping[:, kept])
+    assert (padded.slot_mapping[:, ~kept] == -1).all()
+    assert padded.num_decodes == 0
+
+
+def test_padding_rows_in_front_needs_room():
+    arrays = build_step_arrays([StepInput([1, 2], 1, [[3]]), StepInput([4], 0, [[5]])], BLOCK)
+    assert pad_rows_in_front(arrays, 1) is None  # a sequence has more rows
+    assert pad_rows_in_front(arrays, 2) is None  # no context to put a row in front of

@@ -4,7 +4,8 @@ their capture sets, each "replay" running the step eagerly (capture_cuda_graphs 
 capture=False). Greedy output must stay the target's own, token for token, through
 chunked prefill, prefix hits, preemption and batches padded to a capture size, and the
 drafts the same as without the buffers (a drafter's error costs only acceptance, so the
-acceptance counts must match the eager speculative run's exactly): both hold only if the
+acceptance counts must match the eager speculative run's exactly), ragged catch-ups of the
+drafter padded to a uniform step among them: both hold only if the
 buffers carry every step's tokens, positions, pages and hidden states right, and, on a
 hybrid target, the state checkpoints its verify step keeps for the rollback."""
 
@@ -71,6 +72,8 @@ def test_static_buffers_of_speculative_steps_keep_the_targets_output(tmp_path, c
     if kind == "repeat":  # steps that keep some drafts and steps that keep them all
         spec_stats = llm.engine.spec_stats
         assert spec_stats.acceptance_rate > 0.1 and spec_stats.accepted_per_position[-1] > 0
+        # so some catch-ups were ragged, and replayed padded to the longest
+        assert runner.padded_draft_steps > 0
 
 
 # Drafts of the random drafter are all but always rejected; the repeating one's are kept

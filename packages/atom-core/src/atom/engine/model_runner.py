@@ -7,6 +7,7 @@ import itertools
 import logging
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -16,7 +17,14 @@ from atom.engine.cuda_graphs import StepGraphs
 from atom.engine.kv_groups import KVCacheGroup, attention_impls, num_pools, shared_slots
 from atom.engine.speculative_graphs import drafter_shapes, drafter_step, target_step
 from atom.engine.state_cache import is_hybrid
-from atom.engine.step_arrays import StepArrays, StepInput, TokenFeed, build_step_arrays, upload
+from atom.engine.step_arrays import (
+    StepArrays,
+    StepInput,
+    TokenFeed,
+    build_step_arrays,
+    pad_rows_in_front,
+    upload,
+)
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.kernels.kv_cache import fp8_kv_cache_unsupported
 from atom.layers.gated_delta_net import state_backend
@@ -184,6 +192,7 @@ class ModelRunner:
         # (draft step, rows per sequence) (atom.engine.speculative_graphs).
         self.target_graphs: dict[int, StepGraphs] = {}
         self.draft_graphs: dict[tuple[int, int], StepGraphs] = {}
+        self.padded_draft_steps = 0  # ragged draft steps replayed through padding
         # A hybrid model's last verify step's, until its rollback.
         self.state_checkpoints: StateCheckpoints | None = None
 
@@ -359,14 +368,10 @@ class ModelRunner:
         states for the next step (None and an empty state where no row drafts)."""
         drafter = self.model.drafter
         arrays = build_step_arrays(batch, self.block_size)
-        rows_per_seq = arrays.num_tokens // max(arrays.num_seqs, 1)
-        graphs = self.draft_graphs.get((step, rows_per_seq))
-        if rows and graphs is not None and graphs.can_run(arrays):
-            tokens, state = graphs.run(arrays, device_inputs={"hidden": hidden})
-            if len(rows) == arrays.num_seqs:
-                return tokens, state
-            index = torch.tensor([row // rows_per_seq for row in rows], device=tokens.device)
-            return tokens[index], state[index]
+        if rows:
+            replayed = self._replay_draft(arrays, hidden, step, rows)
+            if replayed is not None:
+                return replayed
         input_ids, positions, metadata = upload(arrays, self.device)
         with set_forward_context(metadata):
             output, state = drafter(input_ids, positions, hidden, step)
@@ -374,6 +379,37 @@ class ModelRunner:
             return None, state[:0]
         index = torch.tensor(rows, device=output.device)
         return drafter.draft_tokens(output[index], step), state[index]
+
+    def _replay_draft(
+        self, arrays: StepArrays, hidden: torch.Tensor, step: int, rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`draft` through the graphs of draft step `step`, a ragged batch padded to its
+        longest sequence's rows (`pad_rows_in_front`); None where none can run it."""
+        seq_ends = arrays.query_start_loc[1:]
+        rows_per_seq = int(np.diff(arrays.query_start_loc).max())
+        graphs = self.draft_graphs.get((step, rows_per_seq))
+        ragged = arrays.num_tokens != arrays.num_seqs * rows_per_seq
+        if graphs is None:
+            return None
+        if ragged:
+            padded = pad_rows_in_front(arrays, rows_per_seq)
+            if padded is None:
+                return None
+            arrays, token_rows = padded
+            index = torch.from_numpy(token_rows).to(hidden.device, non_blocking=True)
+            hidden = hidden.new_zeros(arrays.num_tokens, hidden.shape[1]).index_copy_(
+                0, index, hidden
+            )
+        if not graphs.can_run(arrays):
+            return None
+        tokens, state = graphs.run(arrays, device_inputs={"hidden": hidden})
+        self.padded_draft_steps += ragged
+        if len(rows) == arrays.num_seqs:
+            return tokens, state
+        # Each drafting row is the last of its sequence's.
+        seqs = np.searchsorted(seq_ends, rows, side="right")
+        index = torch.from_numpy(seqs).to(tokens.device, non_blocking=True)
+        return tokens[index], state[index]
 
     @torch.inference_mode()
     def run(self, batch: list[StepInput], all_positions: bool = False) -> torch.Tensor:

@@ -8,7 +8,7 @@ pinned buffers of the CUDA-graph inputs (`cuda_graphs.DecodeGraphs`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -109,6 +109,46 @@ def build_step_arrays(batch: list[StepInput], block_size: int) -> StepArrays:
         state_slots=state_slots,
         has_initial_state=has_initial_state,
     )
+
+
+def pad_rows_in_front(arrays: StepArrays, rows: int) -> tuple[StepArrays, np.ndarray] | None:
+    """The batch as `rows` rows per sequence, each sequence's rows moved to the end of its
+    span behind padding rows, and where each token went; None if a sequence has more rows,
+    or too little context to sit the padding on, or recurrent state slots (a hybrid model's
+    state would take the padding rows in).
+
+    A padding row sits at a position of the sequence just before its first new one: it
+    reads that position's cached context and writes nowhere (slot -1), so the rows after it
+    see what they saw before. A ragged step (a drafter's catch-up after a verify that kept
+    different numbers of tokens) then replays a uniform step's CUDA graph, whose outputs
+    are each sequence's last row, still its own last token."""
+    query_lens = np.diff(arrays.query_start_loc).astype(np.int64)
+    padding = rows - query_lens
+    if (
+        arrays.state_slots is not None
+        or (padding < 0).any()
+        or ((arrays.seq_lens - query_lens) < padding).any()
+    ):
+        return None
+    num_seqs = arrays.num_seqs
+    num_rows = num_seqs * rows
+    token_rows = np.arange(arrays.num_tokens) + np.repeat(
+        np.arange(num_seqs) * rows + padding - arrays.query_start_loc[:-1], query_lens
+    )
+    input_ids = np.zeros(num_rows, np.int64)
+    input_ids[token_rows] = arrays.input_ids
+    slot_mapping = np.full((arrays.slot_mapping.shape[0], num_rows), -1, np.int64)
+    slot_mapping[:, token_rows] = arrays.slot_mapping
+    padded = replace(
+        arrays,
+        input_ids=input_ids,
+        positions=np.repeat(arrays.seq_lens.astype(np.int64) - rows, rows)
+        + np.tile(np.arange(rows), num_seqs),
+        slot_mapping=slot_mapping,
+        query_start_loc=(np.arange(num_seqs + 1) * rows).astype(np.int32),
+        num_decodes=num_seqs if rows == 1 else 0,
+    )
+    return padded, token_rows
 
 
 def upload(
