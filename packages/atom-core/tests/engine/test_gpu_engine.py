@@ -6,6 +6,8 @@ import pytest
 
 from atom import LLM, SamplingParams
 from atom.kernels.policy import selected_backend
+from atom.testing import tiny_config
+from atom.testing.hf_references import skip_without_hf_reference
 from tests.models.harness import (
     check_greedy_generation,
     make_prompts,
@@ -36,8 +38,8 @@ def test_gpu_greedy_matches_hf(tmp_path, name, enforce_eager):
     check_greedy_on_gpu(write_checkpoint(CASES[name], tmp_path, init_std=0.1), enforce_eager)
 
 
-def check_greedy_on_gpu(folder, enforce_eager: bool, **llm_kwargs) -> None:
-    check_greedy_generation(
+def check_greedy_on_gpu(folder, enforce_eager: bool, **llm_kwargs) -> LLM:
+    return check_greedy_generation(
         folder,
         prompt_lengths=[3, 11, 26, 70, 5, 9],
         max_new_tokens=16,
@@ -63,6 +65,19 @@ NEW_FAMILIES = {
 @pytest.mark.parametrize("name", list(NEW_FAMILIES))
 def test_gpu_new_families_greedy_match_hf(tmp_path, name, enforce_eager):
     check_greedy_on_gpu(write_with_random_vectors(NEW_FAMILIES[name], tmp_path), enforce_eager)
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+@pytest.mark.parametrize("architecture", ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"])
+def test_gpu_sparse_attention_families_greedy_match_hf(tmp_path, architecture, enforce_eager):
+    """DeepSeek Sparse Attention: prompts of up to 70 tokens against a top-8 selection;
+    with graphs, the decode steps (indexer scores over the graphs' bound, its prefix top-k,
+    sparse MLA) replay."""
+    skip_without_hf_reference(architecture)
+    folder = write_with_random_vectors(tiny_config(architecture), tmp_path)
+    llm = check_greedy_on_gpu(folder, enforce_eager)
+    graphs = llm.engine.executor.runner.decode_graphs
+    assert (graphs is None) if enforce_eager else graphs.replays > 0
 
 
 def test_gpu_graphs_and_async_scheduling_equal_eager_and_seeds_reproduce(tmp_path):

@@ -6,6 +6,8 @@ DeepSeek-V3.2 shapes (64 heads of 128, top 2048 of 4k keys) and bf16 need a GPU.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tests.kernels.dsa_batches import (
@@ -28,11 +30,16 @@ from atom.kernels.triton import indexer  # noqa: E402
 GPU = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("graph_bound", [False, True], ids=["step width", "graph bound"])
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_topk_matches_naive_scores(name):
+def test_topk_matches_naive_scores(name, graph_bound):
+    """graph bound: score rows as wide as a CUDA graph's max_seq_len, far past every
+    sequence, whose tail the selection must never read."""
     batch = PagedBatch(*BATCHES[name], device=DEVICE)
     q, w, keys, cache = selection_case(batch)
     metadata = batch.metadata()
+    if graph_bound:
+        metadata = replace(metadata, max_seq_len=metadata.max_seq_len + 3000)
     out = torch.empty(metadata.num_tokens, 8, dtype=torch.int32, device=DEVICE)
     indexer.indexer_topk_triton(batch.new_rows(q), batch.new_rows(w), cache, metadata, 8, out)
     check_selection(batch, [t.cpu() for t in q], [t.cpu() for t in w], [t.cpu() for t in keys],

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from atom import LLM, SamplingParams
 from atom.config import ModelConfig
 from atom.engine.kv_groups import attention_impls
 from atom.engine.model_runner import ModelRunner, StepInput, allocate_kv_cache, build_model
@@ -195,10 +196,9 @@ def check_greedy_generation(
     max_new_tokens: int = 16,
     device: str = "cpu",
     **llm_kwargs,
-) -> None:
-    """ATOM's greedy tokens (batched, paged) equal HF `generate` (on CPU) token for token."""
-    from atom import LLM, SamplingParams
-
+) -> LLM:
+    """ATOM's greedy tokens (batched, paged) equal HF `generate` (on CPU) token for token;
+    the engine that gave them."""
     hf = load_hf(folder)
     prompts = make_prompts(hf.config.get_text_config().vocab_size, prompt_lengths, seed=7)
     llm = LLM(
@@ -221,3 +221,4 @@ def check_greedy_generation(
                 pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert output.outputs[0].token_ids == expected
+    return llm

@@ -7,7 +7,8 @@ entry indices). Each row is loaded once per head block and serves as key and as 
 
 The selection scores every closed entry with the lightning indexer's kernel, the entries
 being keys that sit in the page of their last token (atom.kernels.triton.indexer), then
-keeps the top k as the reference does (`best_positions`).
+keeps the top k as the reference does (`prefix_topk`, reading only the entries each token
+sees, however wide the CUDA graphs' bound makes the score rows).
 
 Decode and prefill tokens run the same programs, and every bound comes from device
 tensors (`AttentionMetadata.query_token_bounds`): no host sync, so a CUDA graph can replay
@@ -23,11 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.indexer import best_positions
 from atom.kernels.policy import capturable, register
 from atom.kernels.triton.indexer import index_scores, key_slots
 from atom.kernels.triton.online_softmax import fold_block
 from atom.kernels.triton.paged_attention import _load_page_rows
+from atom.kernels.triton.prefix_topk import prefix_topk
 from atom.kernels.triton.sparse_mla import load_slot_rows
 
 # As sparse MLA's: 16 heads x 32 rows of D = 512 stay in registers; not yet tuned on an
@@ -170,6 +171,5 @@ def compressed_entry_topk_triton(q, weights, index_cache, metadata, rate, block_
         pages_per_key=pages_per_entry(rate, block_size),
     )  # fmt: skip
     k = min(topk, width)
-    chosen = best_positions(scores, k)
-    out[:, :k] = torch.where(chosen < visible[:, None], chosen, -1)
+    out[:, :k] = prefix_topk(scores, visible, k)
     return out

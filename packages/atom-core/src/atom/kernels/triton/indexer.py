@@ -3,11 +3,12 @@ query token against the keys it sees, then top-k.
 
 The score kernel runs one program per (query token, block of key positions): it reads the
 token's Hi query heads once, a block of cached keys through the block table, and writes
-sum_h w_h * relu(q_h . k) into a [T, width] score row (-inf past the token's position).
-Selection is the reference's over those rows (`best_positions`: ties to the earlier
-position), then the chosen positions become cache slots through the block table. Both
-steps take their bounds from device tensors (`AttentionMetadata.query_token_bounds`); the
-width is the step's longest sequence.
+sum_h w_h * relu(q_h . k) into a [T, width] score row; blocks past the token's keys write
+nothing. Selection is the reference's over each row's keys (`prefix_topk`, as
+`best_positions`: ties to the earlier position), then the chosen positions become cache
+slots through the block table. Both steps take their bounds from device tensors
+(`AttentionMetadata.query_token_bounds`); the width is the step's longest sequence, or
+under CUDA graphs the graphs' bound, which costs only idle programs.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.indexer import best_positions
 from atom.kernels.kv_cache import is_fp8_kv_cache
 from atom.kernels.policy import capturable, register
 from atom.kernels.triton.kv_cache import write_kv_cache_triton
+from atom.kernels.triton.prefix_topk import prefix_topk
 from atom.kernels.triton.sparse_mla import load_slot_rows
 
 BLOCK_N = 64
@@ -58,9 +59,11 @@ def _indexer_scores_kernel(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
+    num_keys = tl.load(token_keys_ptr + token)
+    if tl.program_id(1) * BLOCK_N >= num_keys:
+        return  # the top-k reads only each row's keys
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     seq = tl.load(token_seq_ptr + token).to(tl.int64)
-    num_keys = tl.load(token_keys_ptr + token)
     n_valid = n < num_keys
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -78,14 +81,13 @@ def _indexer_scores_kernel(
     per_head = tl.maximum(tl.dot(q, tl.trans(keys), input_precision=PRECISION), 0.0)
     weights = tl.load(w_ptr + token * w_stride_t + heads, mask=head_valid, other=0.0)
     scores = tl.sum(per_head * weights[:, None], 0) * key_scale
-    scores = tl.where(n_valid, scores, float("-inf"))
-    tl.store(scores_ptr + token * s_stride_t + n, scores, mask=n < width)
+    tl.store(scores_ptr + token * s_stride_t + n, scores, mask=n_valid & (n < width))
 
 
 def index_scores(q, weights, key_cache, block_table, token_seq, token_keys, width,
                  key_scale=1.0, pages_per_key=1):  # fmt: skip
     """sum_h w_h relu(q_h . k) of every query token [T] against its sequence's first
-    token_keys[t] keys of key_cache (-inf past them) -> [T, width] fp32."""
+    token_keys[t] keys of key_cache -> [T, width] fp32, unwritten past them."""
     num_tokens, num_heads, head_dim = q.shape
     scores = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
     _indexer_scores_kernel[(num_tokens, triton.cdiv(width, BLOCK_N))](
@@ -102,7 +104,10 @@ def index_scores(q, weights, key_cache, block_table, token_seq, token_keys, widt
 
 
 @register("indexer_topk", "triton")
+@capturable
 def indexer_topk_triton(q, weights, key_cache, metadata, topk, out, scale=1.0):
+    # Under CUDA graphs every host sets max_seq_len to its graphs' bound
+    # (compressed_entry_topk says which); the top-k reads only each token's keys.
     width = metadata.max_seq_len
     out.fill_(-1)
     if q.shape[0] == 0 or width == 0:
@@ -113,9 +118,10 @@ def indexer_topk_triton(q, weights, key_cache, metadata, topk, out, scale=1.0):
         q, weights, key_cache, metadata.block_table, token_seq, token_keys, width, key_scale
     )
     k = min(topk, width)
-    chosen = best_positions(scores, k)
+    chosen = prefix_topk(scores, token_keys, k)
     tables = metadata.block_table[token_seq.long()]
     block_size = key_cache.shape[1]
-    slots = tables.gather(1, chosen // block_size).long() * block_size + chosen % block_size
-    out[:, :k] = torch.where(chosen < token_keys[:, None], slots, -1)
+    pages = tables.gather(1, (chosen.clamp(min=0) // block_size).long())
+    slots = pages.long() * block_size + chosen % block_size
+    out[:, :k] = torch.where(chosen >= 0, slots, -1)
     return out
