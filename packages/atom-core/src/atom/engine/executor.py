@@ -235,8 +235,9 @@ class _RankSteps:
         row counts of the verified sequences) for a hybrid model's state checkpoints."""
         return self.runner.verify(inputs, logit_rows, verified_rows)
 
-    def draft(self, inputs: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int]):
-        return self.runner.draft(inputs, hidden, step, rows)
+    def draft(self, inputs: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int],
+              feed: TokenFeed | None = None):  # fmt: skip
+        return self.runner.draft(inputs, hidden, step, rows, feed)
 
     def roll_back(self, kept_rows: list[int]) -> None:
         self.runner.roll_back(kept_rows)
@@ -377,11 +378,17 @@ class Executor:
         return self._call("verify", inputs, logit_rows, verified_rows)
 
     def draft(
-        self, inputs: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int]
+        self,
+        inputs: list[StepInput],
+        hidden: torch.Tensor,
+        step: int,
+        rows: list[int],
+        feed: TokenFeed | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One drafter forward and its draft tokens (ModelRunner.draft) over `hidden`, the
-        hidden states rank 0 picked from its sequences' backlogs."""
-        return self._call("draft", inputs, hidden, step, rows)
+        hidden states rank 0 picked from its sequences' backlogs; `feed`: input tokens
+        still on the device."""
+        return self._call("draft", inputs, hidden, step, rows, feed)
 
     def step_data_parallel(self, steps: list[RankStep]) -> list[RankResult]:
         """Data-parallel attention: every rank runs and samples its `steps[rank]`; the

@@ -361,18 +361,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft(
-        self, batch: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int]
+        self,
+        batch: list[StepInput],
+        hidden: torch.Tensor,
+        step: int,
+        rows: list[int],
+        feed: TokenFeed | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One forward of the model's drafter over `hidden` (atom.speculative.proposer),
         then the draft tokens of output `rows` (each a sequence's last row) and their
-        states for the next step (None and an empty state where no row drafts)."""
+        states for the next step (None and an empty state where no row drafts). `feed`:
+        input tokens still on the device (the drafts of the step before)."""
         drafter = self.model.drafter
         arrays = build_step_arrays(batch, self.block_size)
         if rows:
-            replayed = self._replay_draft(arrays, hidden, step, rows)
+            replayed = self._replay_draft(arrays, hidden, step, rows, feed)
             if replayed is not None:
                 return replayed
         input_ids, positions, metadata = upload(arrays, self.device)
+        if feed is not None:
+            feed.apply(input_ids)
         with set_forward_context(metadata):
             output, state = drafter(input_ids, positions, hidden, step)
         if not rows:
@@ -381,7 +389,12 @@ class ModelRunner:
         return drafter.draft_tokens(output[index], step), state[index]
 
     def _replay_draft(
-        self, arrays: StepArrays, hidden: torch.Tensor, step: int, rows: list[int]
+        self,
+        arrays: StepArrays,
+        hidden: torch.Tensor,
+        step: int,
+        rows: list[int],
+        feed: TokenFeed | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`draft` through the graphs of draft step `step`, a ragged batch padded to its
         longest sequence's rows (`pad_rows_in_front`); None where none can run it."""
@@ -392,6 +405,8 @@ class ModelRunner:
         if graphs is None:
             return None
         if ragged:
+            if feed is not None:
+                return None  # fed rows are one a sequence: never ragged
             padded = pad_rows_in_front(arrays, rows_per_seq)
             if padded is None:
                 return None
@@ -402,7 +417,7 @@ class ModelRunner:
             )
         if not graphs.can_run(arrays):
             return None
-        tokens, state = graphs.run(arrays, device_inputs={"hidden": hidden})
+        tokens, state = graphs.run(arrays, feed, device_inputs={"hidden": hidden})
         self.padded_draft_steps += ragged
         if len(rows) == arrays.num_seqs:
             return tokens, state

@@ -10,6 +10,8 @@ next step, once their next tokens are known (`Sequence.drafter_backlog`). Each s
 2. k - 1 forwards of one row per drafting sequence, each reading the draft before it
    and the drafter's own hidden state, write K/V past the sequence's end (the target's
    verify step overwrites the target's layers there; the next catch-up the drafter's).
+   The drafts stay on the device from one forward to the next (a `TokenFeed`) and reach
+   the host once, after the last: one wait for the GPU per step, not one per draft.
 
 Drafts are the drafter's argmax: the verifier treats them as draws from a one-hot
 distribution, which keeps the output exact (verifier.py).
@@ -28,12 +30,14 @@ from collections.abc import Callable
 import torch
 
 from atom.engine.sequence import Sequence
-from atom.engine.step_arrays import StepInput
+from atom.engine.step_arrays import StepInput, TokenFeed
 
-# One drafter forward over a StepInput list, the hidden states it reads and the draft step;
-# it drafts from the given rows of its output: (their tokens, their states for the next step).
+# One drafter forward over a StepInput list, the hidden states it reads, the draft step and
+# the rows it drafts from (their tokens, their states for the next step); a TokenFeed gives
+# input tokens that are still on the device.
 DraftForward = Callable[
-    [list[StepInput], torch.Tensor, int, list[int]], tuple[torch.Tensor, torch.Tensor]
+    [list[StepInput], torch.Tensor, int, list[int], TokenFeed | None],
+    tuple[torch.Tensor, torch.Tensor],
 ]
 
 
@@ -65,24 +69,29 @@ class Proposer:
             hidden.append(rows)
             last_rows.append(sum(len(h) for h in hidden) - 1)
         drafting = [(i, row) for i, row in zip(order, last_rows) if num_drafts[i] > 0]
-        tokens, state = self._forward(inputs, torch.cat(hidden), 0, [row for _, row in drafting])
+        tokens, state = self._forward(
+            inputs, torch.cat(hidden), 0, [row for _, row in drafting], None
+        )
         if not drafting:
             return drafts
         ids = [i for i, _ in drafting]
-        for step in range(1, max(num_drafts[i] for i in ids) + 1):
-            for i, token in zip(ids, tokens.tolist()):
-                drafts[i].append(token)
+        drafted = [(ids, tokens)]  # per draft position: the sequences drafting it, their tokens
+        for step in range(1, max(num_drafts[i] for i in ids)):
             keep = [j for j, i in enumerate(ids) if num_drafts[i] > step]
-            if not keep:
-                break
             if len(keep) < len(ids):
-                index = torch.tensor(keep, device=tokens.device)
-                state = state[index]
+                state = state[torch.tensor(keep, device=state.device)]
                 ids = [ids[j] for j in keep]
             inputs = [
-                # Token q + step, at position q + step - 1 (q: the last known token's).
-                StepInput([drafts[i][-1]], len(seqs[i].token_ids) + step - 2, seqs[i].block_tables)
+                # Token q + step (fed from the step before), at position q + step - 1 (q:
+                # the last known token's).
+                StepInput([0], len(seqs[i].token_ids) + step - 2, seqs[i].block_tables)
                 for i in ids
             ]
-            tokens, state = self._forward(inputs, state, step, list(range(len(ids))))
+            feed = TokenFeed(tokens, list(range(len(ids))), keep)
+            tokens, state = self._forward(inputs, state, step, list(range(len(ids))), feed)
+            drafted.append((ids, tokens))
+        host = iter(torch.cat([tokens for _, tokens in drafted]).tolist())
+        for position_ids, _ in drafted:
+            for i in position_ids:
+                drafts[i].append(next(host))
         return drafts
