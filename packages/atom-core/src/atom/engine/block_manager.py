@@ -81,6 +81,7 @@ class BlockManager:
                 f"{len(self.windows)} groups, every pool used"
             )
         self.block_of_hash: list[dict[int, int]] = [{} for _ in self.windows]
+        self.windowed = any(w is not None for w in self.windows)
         self.peak_blocks_in_use = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
@@ -142,13 +143,27 @@ class BlockManager:
                 needed[p] -= sum(self.pools[p].ref_counts[page] == 1 for page in passed)
         return needed
 
+    def _unchanged(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """The tables already hold the new tokens and no window passes a page: most decode
+        steps, which a large batch then schedules without counting pages."""
+        return (
+            not self.windowed
+            and bool(seq.block_tables)
+            and seq.num_computed_tokens + num_new_tokens
+            <= len(seq.block_tables[0]) * self.block_size
+        )
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        if self._unchanged(seq, num_new_tokens):
+            return True
         needed = self._needed_per_pool(seq, num_new_tokens)
         return all(n <= len(pool.free) for n, pool in zip(needed, self.pools))
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Frees the pages the windows have passed, then adds pages so every table holds
         num_computed + num_new_tokens tokens."""
+        if self._unchanged(seq, num_new_tokens):
+            return
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.windows]
             seq.num_released_blocks = [0] * len(self.windows)
