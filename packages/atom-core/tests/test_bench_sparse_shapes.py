@@ -1,5 +1,5 @@
 """The bench shapes of issue #34's families (DeepSeek-V3.2, GLM-5, Kimi-K2.5's text
-model) at the depth their declarations give for one H100: each builds ATOM's model (on
+model, DeepSeek-V4-Flash) at the depth their declarations give for one H100: each builds ATOM's model (on
 the meta device: no memory, no weights) and its bf16 weights leave an H100 room for the
 KV cache, the activations of a 32k-token prefill and CUDA graphs."""
 
@@ -9,12 +9,19 @@ import pytest
 import torch
 
 from atom.bench.shapes import parse_shapes
+from atom.layers.compressed_attention import CompressedAttention
 from atom.layers.dsa_attention import SparseLatentAttention
 from atom.registry import get_entry
 
 H100_BYTES = 80e9
 WEIGHT_BUDGET = 0.7 * H100_BYTES
-ONE_H100 = {"deepseek-v3.2:5": 2048, "glm-5:5": 2048, "kimi-k2.5:2": None}  # -> index_topk
+# -> the index_topk of their DeepSeek Sparse Attention layers
+ONE_H100 = {
+    "deepseek-v3.2:5": 2048,
+    "glm-5:5": 2048,
+    "kimi-k2.5:2": None,
+    "deepseek-v4-flash:4": None,
+}
 
 
 def build_on_meta(shape):
@@ -40,3 +47,5 @@ def test_shape_builds_and_fits_one_h100(name):
     topk = ONE_H100[name]
     assert len(sparse) == (shape.num_layers if topk else 0)
     assert all(m.attn.spec.index_topk == topk for m in sparse)
+    compressed = [m for m in model.modules() if isinstance(m, CompressedAttention)]
+    assert len(compressed) == (shape.num_layers if name.startswith("deepseek-v4") else 0)

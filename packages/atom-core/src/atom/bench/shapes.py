@@ -393,6 +393,47 @@ SHAPES = {
             rms_norm_eps=1e-5,
         ),
     ),
+    # DeepSeek-V4-Flash, as `DeepseekV4Config`'s defaults give it (spelled out, so a new
+    # transformers default cannot change the shape): compressed sparse attention (entries
+    # of 4 tokens, a 64-head indexer keeps 512) and heavily compressed attention (entries
+    # of 128) layers beside a 128-token window, one 512-wide K = V head, hyper-connections
+    # over 4 streams, hash-routed MoE in the first 3 layers. Every MoE layer holds 12.9 GB
+    # of bf16 experts (the release keeps them in FP4): `deepseek-v4-flash:4` (3 hash-routed
+    # and 1 routed MoE layer, 54 GB) fits one H100.
+    "deepseek-v4-flash": Shape(
+        "deepseek-v4-flash",
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",
+        dict(
+            vocab_size=129280,
+            hidden_size=4096,
+            num_hidden_layers=43,
+            num_attention_heads=64,
+            num_key_value_heads=1,
+            head_dim=512,
+            qk_rope_head_dim=64,
+            q_lora_rank=1024,
+            o_lora_rank=1024,
+            o_groups=8,
+            sliding_window=128,
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+            index_topk=512,
+            index_n_heads=64,
+            index_head_dim=128,
+            hc_mult=4,
+            moe_intermediate_size=2048,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=6,
+            scoring_func="sqrtsoftplus",
+            norm_topk_prob=True,
+            routed_scaling_factor=1.5,
+            swiglu_limit=10.0,
+            max_position_embeddings=1048576,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
     # For tests and CPU smoke runs; tiny-gpt-oss has a 16-token window.
     "tiny-gpt-oss": Shape(
         "tiny-gpt-oss",
