@@ -99,6 +99,15 @@ class AtomEngine:
     trace = staticmethod(in_process_trace)
 
 
+# vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py, 0.32 and 0.33), in
+# spec_counts' order.
+VLLM_SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
 class VllmEngine:
     def __init__(self, job: dict):
         vllm = importlib.import_module(job["host"])
@@ -111,7 +120,22 @@ class VllmEngine:
             seed=0,
         )
         options = with_random_drafter(job["model"], job["options"])
+        # vLLM counts drafts only where it keeps stats, which its offline LLM turns off.
+        self.speculative = "speculative_config" in options
+        if self.speculative:
+            defaults["disable_log_stats"] = False
         self.llm = vllm.LLM(model=job["model"], **(defaults | options))
+
+    def spec_counts(self) -> tuple[int, int, int] | None:
+        """(verify steps, drafted tokens, accepted tokens) so far, from vLLM's counters;
+        None without drafts."""
+        if not self.speculative:
+            return None
+        totals = dict.fromkeys(VLLM_SPEC_COUNTERS, 0)
+        for metric in self.llm.get_metrics():
+            if metric.name in totals:
+                totals[metric.name] += metric.value
+        return tuple(totals.values())
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         params = self.params(
