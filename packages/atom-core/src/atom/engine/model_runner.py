@@ -406,7 +406,7 @@ class ModelRunner:
             return None
         if ragged:
             if feed is not None:
-                return None  # fed rows are one a sequence: never ragged
+                return None  # the feed's rows index the batch as it is, unpadded
             padded = pad_rows_in_front(arrays, rows_per_seq)
             if padded is None:
                 return None
