@@ -100,11 +100,11 @@ class AtomEngine:
 
 
 # vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py, 0.32 and 0.33), in
-# spec_counts' order.
+# spec_counts' order, by their names in vLLM's metric namespace.
 VLLM_SPEC_COUNTERS = (
-    "vllm:spec_decode_num_drafts",
-    "vllm:spec_decode_num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
 
 
@@ -133,8 +133,9 @@ class VllmEngine:
             return None
         totals = dict.fromkeys(VLLM_SPEC_COUNTERS, 0)
         for metric in self.llm.get_metrics():
-            if metric.name in totals:
-                totals[metric.name] += metric.value
+            namespace, _, name = metric.name.partition(":")
+            if namespace == "vllm" and name in totals:
+                totals[name] += metric.value
         return tuple(totals.values())
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
