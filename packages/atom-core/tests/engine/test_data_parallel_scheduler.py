@@ -68,3 +68,13 @@ def test_abort_before_pinning():
     s.finish(seqs[2])  # still in the shared queue
     assert seqs[2].status == SequenceStatus.FINISHED and not s.unpinned
     assert len(s.running) == 2 and s.num_preemptions == 0
+
+
+def test_usage_is_the_fullest_ranks():
+    """As BlockManager.usage, the fullest pool's: one rank full holds its sequences back
+    whatever the other has free."""
+    s = scheduler(num_blocks=8, max_num_seqs=4)
+    s.add(seq(32))  # 8 pages of 4 tokens: all of rank 0's
+    s.schedule()
+    assert [bm.usage for bm in s.block_managers] == [1.0, 0.0]
+    assert s.usage == 1.0

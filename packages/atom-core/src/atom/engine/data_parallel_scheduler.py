@@ -147,7 +147,8 @@ class DataParallelScheduler:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """The fullest rank's (BlockManager.usage): that rank holds its sequences back."""
+        return max(bm.usage for bm in self.block_managers)
 
     @property
     def prefix_queries(self) -> int:
