@@ -126,7 +126,7 @@ class BlockManager:
     def _needed_per_pool(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """The pages each pool's groups add to their tables, less those their windows
         give back first."""
-        want = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        want = self._pages_for(seq, num_new_tokens)
         needed = [0] * len(self.pools)
         for group, window in enumerate(self.windows):
             p = self.pool_of[group]
@@ -143,14 +143,17 @@ class BlockManager:
                 needed[p] -= sum(self.pools[p].ref_counts[page] == 1 for page in passed)
         return needed
 
+    def _pages_for(self, seq: Sequence, num_new_tokens: int) -> int:
+        """The pages a table needs to hold num_computed + num_new_tokens tokens."""
+        return -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+
     def _unchanged(self, seq: Sequence, num_new_tokens: int) -> bool:
         """The tables already hold the new tokens and no window passes a page: most decode
         steps, which a large batch then schedules without counting pages."""
         return (
             not self.windowed
             and bool(seq.block_tables)
-            and seq.num_computed_tokens + num_new_tokens
-            <= len(seq.block_tables[0]) * self.block_size
+            and self._pages_for(seq, num_new_tokens) <= len(seq.block_tables[0])
         )
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -167,7 +170,7 @@ class BlockManager:
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.windows]
             seq.num_released_blocks = [0] * len(self.windows)
-        want = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        want = self._pages_for(seq, num_new_tokens)
         for group, window in enumerate(self.windows):
             if window is not None:
                 self._release_passed(seq, group, window)

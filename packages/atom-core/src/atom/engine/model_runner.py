@@ -398,12 +398,12 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`draft` through the graphs of draft step `step`, a ragged batch padded to its
         longest sequence's rows (`pad_rows_in_front`); None where none can run it."""
-        seq_ends = arrays.query_start_loc[1:]
         rows_per_seq = int(np.diff(arrays.query_start_loc).max())
         graphs = self.draft_graphs.get((step, rows_per_seq))
-        ragged = arrays.num_tokens != arrays.num_seqs * rows_per_seq
         if graphs is None:
             return None
+        seq_ends = arrays.query_start_loc[1:]
+        ragged = arrays.num_tokens != arrays.num_seqs * rows_per_seq
         if ragged:
             if feed is not None:
                 return None  # the feed's rows index the batch as it is, unpadded

@@ -171,5 +171,5 @@ def compressed_entry_topk_triton(q, weights, index_cache, metadata, rate, block_
         pages_per_key=pages_per_entry(rate, block_size),
     )  # fmt: skip
     k = min(topk, width)
-    out[:, :k] = prefix_topk(scores, visible, k)
+    prefix_topk(scores, visible, k, out=out[:, :k])
     return out

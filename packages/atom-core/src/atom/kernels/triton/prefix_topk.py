@@ -88,18 +88,23 @@ def _prefix_topk_kernel(
         equal_seen += tl.sum(equal, 0)
 
 
-def prefix_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+def prefix_topk(
+    scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Positions [T, k] int32 of the k highest of scores[t, :lengths[t]] ([T, width] fp32;
     lengths [T] on the device), equal scores to the earlier position, in position order;
-    -1 past a row's min(lengths[t], k). Scores past a row's length are never read."""
+    -1 past a row's min(lengths[t], k). Scores past a row's length are never read. `out`:
+    an int32 [T, k] view to write them into (the first k columns of a wider table)."""
     num_rows, width = scores.shape
-    out = torch.empty(num_rows, k, dtype=torch.int32, device=scores.device)
+    if out is None:
+        out = torch.empty(num_rows, k, dtype=torch.int32, device=scores.device)
     if num_rows == 0 or k == 0:
         return out
-    if scores.stride(1) != 1:
-        raise ValueError(
-            f"prefix_topk: scores must be contiguous in a row, strides {scores.stride()}"
-        )
+    for name, x in (("scores", scores), ("out", out)):
+        if x.stride(1) != 1:
+            raise ValueError(
+                f"prefix_topk: {name} must be contiguous in a row, strides {x.stride()}"
+            )
     _prefix_topk_kernel[(num_rows,)](
         scores, lengths, out, scores.stride(0), out.stride(0), width, k,
         BLOCK=BLOCK, RADIX_BITS=RADIX_BITS, num_warps=8,
