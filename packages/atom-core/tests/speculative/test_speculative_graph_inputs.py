@@ -5,9 +5,10 @@ capture=False). Greedy output must stay the target's own, token for token, throu
 chunked prefill, prefix hits, preemption and batches padded to a capture size, and the
 drafts the same as without the buffers (a drafter's error costs only acceptance, so the
 acceptance counts must match the eager speculative run's exactly), ragged catch-ups of the
-drafter padded to a uniform step among them: both hold only if the
-buffers carry every step's tokens, positions, pages and hidden states right, and, on a
-hybrid target, the state checkpoints its verify step keeps for the rollback."""
+drafter and verify steps with fewer drafts padded to a uniform step among them: both
+hold only if the buffers carry every step's tokens, positions, pages and hidden states
+right, and, on a hybrid target, the state checkpoints its verify step keeps for the
+rollback."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ def test_static_buffers_of_speculative_steps_keep_the_targets_output(tmp_path, c
         assert spec_stats.acceptance_rate > 0.1 and spec_stats.accepted_per_position[-1] > 0
         # so some catch-ups were ragged, and replayed padded to the longest
         assert runner.padded_draft_steps > 0
+    # Sequences near their max_tokens verify fewer drafts: such steps replay padded too.
+    assert runner.padded_target_steps > 0
 
 
 # Drafts of the random drafter are all but always rejected; the repeating one's are kept

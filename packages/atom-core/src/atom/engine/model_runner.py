@@ -192,7 +192,9 @@ class ModelRunner:
         # (draft step, rows per sequence) (atom.engine.speculative_graphs).
         self.target_graphs: dict[int, StepGraphs] = {}
         self.draft_graphs: dict[tuple[int, int], StepGraphs] = {}
-        self.padded_draft_steps = 0  # ragged draft steps replayed through padding
+        # Ragged steps replayed through padding.
+        self.padded_target_steps = 0
+        self.padded_draft_steps = 0
         # A hybrid model's last verify step's, until its rollback.
         self.state_checkpoints: StateCheckpoints | None = None
 
@@ -286,15 +288,47 @@ class ModelRunner:
         Decode rows (one new token) must come before prefill rows.
         """
         arrays = build_step_arrays(batch, self.block_size)
-        graphs = self.target_graphs.get(arrays.num_tokens // max(arrays.num_seqs, 1))
         # The static buffers keep the states of every sequence: the rollback lines them up
         # with the verified ones only when the step verifies them all.
         verifies_all = verified_rows is None or len(verified_rows[0]) == arrays.num_seqs
-        if graphs is not None and graphs.can_run(arrays) and verifies_all:
-            outputs = graphs.run(arrays, feed)
-            self.state_checkpoints = None if verified_rows is None else graphs.state_checkpoints
-            return outputs
+        if verifies_all and arrays.num_seqs:
+            replayed = self._replay_target(arrays, feed)
+            if replayed is not None:
+                outputs, rows = replayed
+                checkpoints = self.target_graphs[rows].state_checkpoints
+                self.state_checkpoints = None if verified_rows is None else checkpoints
+                return outputs
         return self._eager(arrays, feed, verified_rows)
+
+    def _replay_target(
+        self, arrays: StepArrays, feed: TokenFeed | None
+    ) -> tuple[tuple[torch.Tensor, ...], int] | None:
+        """The step through the target's graphs of the fewest rows per sequence that hold
+        its longest, and that row count; None where none can run it. A ragged step (a
+        verify step in which some sequences have fewer drafts) is padded in front
+        (`pad_rows_in_front`) and its outputs gathered back to the batch's token rows."""
+        longest = int(np.diff(arrays.query_start_loc).max())
+        fitting = [rows for rows in self.target_graphs if rows >= longest]
+        if not fitting:
+            return None
+        rows = min(fitting)
+        token_rows = None
+        if arrays.num_tokens != arrays.num_seqs * rows:
+            padded = pad_rows_in_front(arrays, rows)
+            if padded is None:
+                return None
+            arrays, token_rows = padded
+            if feed is not None:
+                feed = TokenFeed(feed.tokens, token_rows[feed.rows].tolist(), feed.sources)
+        graphs = self.target_graphs[rows]
+        if not graphs.can_run(arrays):
+            return None
+        outputs = graphs.run(arrays, feed)
+        if token_rows is None:
+            return outputs, rows
+        self.padded_target_steps += 1
+        index = torch.from_numpy(token_rows).to(self.device, non_blocking=True)
+        return tuple(output[index] for output in outputs), rows
 
     def _eager(
         self,
