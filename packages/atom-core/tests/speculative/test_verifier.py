@@ -9,6 +9,7 @@ import torch
 from atom import SamplingParams
 from atom.engine.sampler import Sampler
 from atom.engine.sequence import Sequence
+from atom.speculative.drafts import Drafts
 from atom.speculative.verifier import verify
 
 VOCAB, DRAWS, TOP_K, TEMPERATURE = 8, 20_000, 6, 0.8
@@ -22,12 +23,21 @@ def target_distribution(logits: torch.Tensor) -> torch.Tensor:
     return probs
 
 
+def on_device(drafts: list[list[int]]) -> Drafts:
+    """The drafts as the proposer leaves them: one tensor, and where each one is."""
+    starts = torch.tensor([0, *map(len, drafts)]).cumsum(0).tolist()
+    tokens = torch.tensor([t for d in drafts for t in d])
+    return Drafts(tokens, [list(range(start, start + len(d))) for start, d in zip(starts, drafts)])
+
+
 def emitted_tokens(draft: list[int], forced_acceptance: float | None = None) -> list[list[int]]:
     rows = torch.randn(len(draft) + 1, VOCAB, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=4)
     seqs = [Sequence([1], params) for _ in range(DRAWS)]
     logits = rows.repeat(DRAWS, 1)
-    results = verify(logits, seqs, [draft] * DRAWS, Sampler(seed=7), forced_acceptance).results()
+    results = verify(
+        logits, seqs, on_device([draft] * DRAWS), Sampler(seed=7), forced_acceptance
+    ).results()
     return rows, [[r.token_id for r in emitted] for emitted in results]
 
 
@@ -69,7 +79,7 @@ def test_greedy_rows_accept_exactly_the_argmax_prefix():
     greedy = SamplingParams(temperature=0, max_tokens=8)
     seqs = [Sequence([1], greedy) for _ in range(2)]
     drafts = [[best[0], wrong, best[2]], [best[0], best[1], best[2]]]
-    results = verify(torch.cat([rows, rows]), seqs, drafts, Sampler()).results()
+    results = verify(torch.cat([rows, rows]), seqs, on_device(drafts), Sampler()).results()
     assert [r.token_id for r in results[0]] == [best[0], best[1]]
     assert [r.token_id for r in results[1]] == best
     logprobs = rows.log_softmax(-1)

@@ -230,10 +230,10 @@ class _RankSteps:
     def execute(self, inputs: list[StepInput], logit_rows: list[int], feed=None):
         return self.runner.execute(inputs, logit_rows, feed)
 
-    def verify(self, inputs: list[StepInput], logit_rows: list[int], verified_rows):
+    def verify(self, inputs: list[StepInput], logit_rows: list[int], verified_rows, feed=None):
         """A speculative step: logits and the drafter's features; verified_rows (slots, first rows,
         row counts of the verified sequences) for a hybrid model's state checkpoints."""
-        return self.runner.verify(inputs, logit_rows, verified_rows)
+        return self.runner.verify(inputs, logit_rows, verified_rows, feed)
 
     def draft(self, inputs: list[StepInput], hidden: torch.Tensor, step: int, rows: list[int],
               feed: TokenFeed | None = None):  # fmt: skip
@@ -372,10 +372,11 @@ class Executor:
         inputs: list[StepInput],
         logit_rows: list[int],
         verified_rows: tuple[list[int], list[int], list[int]] | None = None,
+        feed: TokenFeed | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A speculative step's logits and the drafter's features of its tokens
-        (`ModelRunner.verify`)."""
-        return self._call("verify", inputs, logit_rows, verified_rows)
+        (`ModelRunner.verify`); `feed`: its drafts, still on the device."""
+        return self._call("verify", inputs, logit_rows, verified_rows, feed)
 
     def draft(
         self,

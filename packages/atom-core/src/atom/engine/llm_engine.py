@@ -27,6 +27,7 @@ from atom.engine.step_arrays import StepInput, TokenFeed
 from atom.sampling_params import SamplingParams
 from atom.speculative.config import check_engine_config
 from atom.speculative.draft_policy import DraftPolicy
+from atom.speculative.drafts import Drafts
 from atom.speculative.proposer import Proposer
 from atom.speculative.stats import SpeculativeStats
 from atom.speculative.verifier import PendingVerification, verify
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 # Stands on the host for a token sampled by a step still in flight.
 PLACEHOLDER_TOKEN = -1
+# Stands in a verify step's inputs for a draft, which the drafter left on the device.
+DRAFT_TOKEN = 0
 
 
 @dataclass
@@ -278,10 +281,11 @@ class LLMEngine:
             return None
         if isinstance(batch, DataParallelBatch):
             return self._launch_data_parallel(batch)
-        drafts = [[] for _ in batch.seqs]
+        drafts = Drafts.none(len(batch.seqs))
         if self.proposer is not None:
             drafts = self.proposer.propose(batch.seqs, batch.num_drafts)
-        plan = _StepPlan(batch.seqs, batch.num_new_tokens, drafts)
+        num_drafts = drafts.counts
+        plan = _StepPlan(batch.seqs, batch.num_new_tokens, num_drafts)
         feed = None
         if feeding is not None:
             source = {seq: i for i, seq in enumerate(feeding.plan.samples)}
@@ -298,17 +302,20 @@ class LLMEngine:
             logits = self.executor.execute(plan.inputs, plan.rows, feed)
         else:
             logits, hidden = self.executor.verify(
-                plan.inputs, plan.rows, plan.verified_state_rows() if rolls_back else None
+                plan.inputs,
+                plan.rows,
+                plan.verified_state_rows() if rolls_back else None,
+                drafts.feed(plan.draft_rows) if plan.draft_rows else None,
             )
-        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, drafts):
+        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, num_drafts):
             # Drafts count as computed once accepted (_finish_verified).
-            seq.num_computed_tokens += n - len(d)
+            seq.num_computed_tokens += n - d
         samples = verification = None
         if plan.verified:
             verification = verify(
                 select_rows(logits, plan.verified_rows),
                 [seq for seq, _ in plan.verified],
-                [d for _, d in plan.verified],
+                drafts.of(plan.verified_seqs),
                 self.sampler,
                 self.config.speculative.forced_acceptance,
             )
@@ -323,9 +330,9 @@ class LLMEngine:
         step.verification, step.rolls_back = verification, rolls_back
         if hidden is not None:
             step.hidden_rows = [
-                (seq, seq.num_computed_tokens - (n - len(d)), hidden[start : start + n])
+                (seq, seq.num_computed_tokens - (n - d), hidden[start : start + n])
                 for seq, n, d, start in zip(
-                    batch.seqs, batch.num_new_tokens, drafts, plan.token_starts
+                    batch.seqs, batch.num_new_tokens, num_drafts, plan.token_starts
                 )
                 if self.draft_policy.may_draft(seq)
             ]
@@ -334,8 +341,7 @@ class LLMEngine:
     def _launch_data_parallel(self, batch: DataParallelBatch) -> _Step:
         """Every DP rank runs its own batch (an empty one: zero tokens) and samples its
         rows; the step's plan covers all of them, in rank order, for the bookkeeping."""
-        no_drafts = [[] for _ in batch.seqs]
-        plan = _StepPlan(batch.seqs, batch.num_new_tokens, no_drafts)
+        plan = _StepPlan(batch.seqs, batch.num_new_tokens, [0] * len(batch.seqs))
         vocab = self.config.model.hf_config.vocab_size
         # Prompt logprobs read logits on rank 0: then every rank sends its rows, so the
         # ranks' rows concatenate into the plan's.
@@ -343,7 +349,7 @@ class LLMEngine:
         steps = []
         for rank in range(self.data_parallel_size):
             seqs, num_new_tokens = batch.of_rank(rank)
-            part = _StepPlan(seqs, num_new_tokens, [[] for _ in seqs])
+            part = _StepPlan(seqs, num_new_tokens, [0] * len(seqs))
             rows = [SampleRow.of(seq, self._blocked(seq), vocab) for seq in part.samples]
             steps.append(
                 RankStep(part.inputs, part.rows, part.sample_rows, rows, keep_logits,
@@ -366,7 +372,7 @@ class LLMEngine:
         if step.rolls_back:
             # The rows that stand: the sequence's own new ones and the drafts it kept.
             self.executor.roll_back(
-                [n - len(d) + len(emitted) - 1 for (_, d), n, emitted in zip(
+                [n - d + len(emitted) - 1 for (_, d), n, emitted in zip(
                     step.plan.verified, step.plan.verified_num_rows, verified)]
             )  # fmt: skip
         arrived = time.monotonic()  # when this step's tokens reached the host
@@ -389,8 +395,8 @@ class LLMEngine:
         for seq, result in zip(step.plan.samples, results):
             if seq in live:
                 self._after_token(seq, result.token_id)
-        for (seq, drafts), emitted in zip(step.plan.verified, verified):
-            self._finish_verified(seq, len(drafts), emitted, arrived)
+        for (seq, num_drafts), emitted in zip(step.plan.verified, verified):
+            self._finish_verified(seq, num_drafts, emitted, arrived)
         for seq, start, rows in step.hidden_rows:
             if not seq.is_finished:
                 # The rows whose tokens stand; the last precedes the token just sampled.
@@ -543,25 +549,29 @@ class _StepPlan:
     prompt positions of sequences that asked for prompt logprobs, and the last token of
     every sequence this step completes (it samples its next token)."""
 
-    def __init__(self, seqs: list[Sequence], num_new_tokens: list[int], drafts: list[list[int]]):
+    def __init__(self, seqs: list[Sequence], num_new_tokens: list[int], num_drafts: list[int]):
         self.inputs: list[StepInput] = []
         self.rows: list[int] = []
         self.prompt_logprobs: list[tuple[Sequence, int, int, int]] = []  # seq, first, last, row
         self.samples: list[Sequence] = []
         self.sample_rows: list[int] = []  # indexes into rows
-        self.verified: list[tuple[Sequence, list[int]]] = []  # sequences with drafts
+        self.verified: list[tuple[Sequence, int]] = []  # sequences with drafts, how many
+        self.verified_seqs: list[int] = []  # their indexes in the batch
+        self.draft_rows: list[int] = []  # the token rows of their drafts (fed on the device)
         self.verified_rows: list[int] = []  # indexes into rows, all of theirs
         self.verified_starts: list[int] = []  # their first token row
         self.verified_num_rows: list[int] = []  # and their number of token rows
         self.token_starts: list[int] = []  # each sequence's first token row
         offset = 0
-        for seq, n, draft in zip(seqs, num_new_tokens, drafts):
+        for i, (seq, n, d) in enumerate(zip(seqs, num_new_tokens, num_drafts)):
             self.token_starts.append(offset)
             start = seq.num_computed_tokens
-            tokens = seq.token_ids[start : start + n - len(draft)] + draft
+            tokens = seq.token_ids[start : start + n - d] + [DRAFT_TOKEN] * d
             self.inputs.append(StepInput(tokens, start, seq.block_tables, seq.state_slot))
-            if draft:
-                self.verified.append((seq, draft))
+            if d:
+                self.verified.append((seq, d))
+                self.verified_seqs.append(i)
+                self.draft_rows += range(offset + n - d, offset + n)
                 self.verified_starts.append(offset)
                 self.verified_num_rows.append(n)
                 self.verified_rows += range(len(self.rows), len(self.rows) + n)

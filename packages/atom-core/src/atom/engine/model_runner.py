@@ -374,10 +374,12 @@ class ModelRunner:
         batch: list[StepInput],
         logit_rows: list[int],
         verified_rows: tuple[list[int], list[int], list[int]] | None = None,
+        feed: TokenFeed | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A speculative step: `execute`'s logits and what the drafter reads of every new
-        token (its `target_features`, [T, width]); `verified_rows` as in `forward`."""
-        hidden, features = self.forward(batch, None, verified_rows)
+        token (its `target_features`, [T, width]); `verified_rows` and `feed` (the drafts)
+        as in `forward`."""
+        hidden, features = self.forward(batch, feed, verified_rows)
         # A copy: the sequences' backlogs hold these rows past the graph's next replay.
         return self._logits(hidden, logit_rows), features.clone()
 

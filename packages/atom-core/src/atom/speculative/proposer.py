@@ -10,8 +10,8 @@ next step, once their next tokens are known (`Sequence.drafter_backlog`). Each s
 2. k - 1 forwards of one row per drafting sequence, each reading the draft before it
    and the drafter's own hidden state, write K/V past the sequence's end (the target's
    verify step overwrites the target's layers there; the next catch-up the drafter's).
-   The drafts stay on the device from one forward to the next (a `TokenFeed`) and reach
-   the host once, after the last: one wait for the GPU per step, not one per draft.
+   The drafts stay on the device from one forward to the next (a `TokenFeed`), and on
+   into the verify step (`drafts.Drafts`): the host lays the step out from their counts.
 
 Drafts are the drafter's argmax: the verifier treats them as draws from a one-hot
 distribution, which keeps the output exact (verifier.py).
@@ -31,6 +31,7 @@ import torch
 
 from atom.engine.sequence import Sequence
 from atom.engine.step_arrays import StepInput, TokenFeed
+from atom.speculative.drafts import Drafts
 
 # One drafter forward over a StepInput list, the hidden states it reads, the draft step and
 # the rows it drafts from (their tokens, their states for the next step); a TokenFeed gives
@@ -48,14 +49,14 @@ class Proposer:
         self._forward = forward
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> Drafts:
         """Drafts num_drafts[i] tokens for seqs[i] (0: catch-up only); every sequence with
         drafts must have a backlog, and pages for its drafts' positions."""
         order = sorted(
             (i for i, seq in enumerate(seqs) if seq.drafter_backlog is not None),
             key=lambda i: len(seqs[i].drafter_backlog[1]) > 1,  # one-row inputs first
         )
-        drafts: list[list[int]] = [[] for _ in seqs]
+        drafts = Drafts.none(len(seqs))
         if not order:
             return drafts
         inputs, hidden, last_rows = [], [], []
@@ -75,23 +76,24 @@ class Proposer:
         if not drafting:
             return drafts
         ids = [i for i, _ in drafting]
-        drafted = [(ids, tokens)]  # per draft position: the sequences drafting it, their tokens
-        for step in range(1, max(num_drafts[i] for i in ids)):
-            keep = [j for j, i in enumerate(ids) if num_drafts[i] > step]
-            if len(keep) < len(ids):
-                state = state[torch.tensor(keep, device=state.device)]
-                ids = [ids[j] for j in keep]
-            inputs = [
-                # Token q + step (fed from the step before), at position q + step - 1 (q:
-                # the last known token's).
-                StepInput([0], len(seqs[i].token_ids) + step - 2, seqs[i].block_tables)
-                for i in ids
-            ]
-            feed = TokenFeed(tokens, list(range(len(ids))), keep)
-            tokens, state = self._forward(inputs, state, step, list(range(len(ids))), feed)
-            drafted.append((ids, tokens))
-        host = iter(torch.cat([tokens for _, tokens in drafted]).tolist())
-        for position_ids, _ in drafted:
-            for i in position_ids:
-                drafts[i].append(next(host))
+        drafted, offset = [], 0  # per draft position, the tokens of the sequences drafting it
+        for step in range(max(num_drafts[i] for i in ids)):
+            if step:
+                keep = [j for j, i in enumerate(ids) if num_drafts[i] > step]
+                if len(keep) < len(ids):
+                    state = state[torch.tensor(keep, device=state.device)]
+                    ids = [ids[j] for j in keep]
+                inputs = [
+                    # Token q + step (fed from the step before), at position q + step - 1
+                    # (q: the last known token's).
+                    StepInput([0], len(seqs[i].token_ids) + step - 2, seqs[i].block_tables)
+                    for i in ids
+                ]
+                feed = TokenFeed(tokens, list(range(len(ids))), keep)
+                tokens, state = self._forward(inputs, state, step, list(range(len(ids))), feed)
+            drafted.append(tokens)
+            for j, i in enumerate(ids):
+                drafts.sources[i].append(offset + j)
+            offset += len(ids)
+        drafts.tokens = torch.cat(drafted)
         return drafts

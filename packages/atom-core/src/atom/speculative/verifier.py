@@ -26,20 +26,27 @@ from atom.engine.sampler import (
     unpack_entry,
 )
 from atom.engine.sequence import Sequence
+from atom.speculative.drafts import Drafts
 
 
 def verify(
     logits: torch.Tensor,
     seqs: list[Sequence],
-    drafts: list[list[int]],
+    drafts: Drafts,
     sampler: Sampler,
     forced_acceptance: float | None = None,
 ) -> PendingVerification:
-    """logits: fp32 [sum(len(d) + 1), vocab], each sequence's rows in turn."""
+    """logits: fp32 [sum(num drafts + 1), vocab], each sequence's rows in turn."""
     device = logits.device
-    row_seqs = [seq for seq, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
-    draft_of_row = [t for d in drafts for t in [*d, -1]]
-    draft = torch.tensor(draft_of_row).to(device, non_blocking=True)
+    counts = drafts.counts
+    row_seqs = [seq for seq, n in zip(seqs, counts) for _ in range(n + 1)]
+    # Row j of a sequence is followed by its draft j + 1; its last row by none (-1).
+    draft = torch.full((len(row_seqs),), -1, dtype=torch.long, device=device)
+    rows, start = [], 0
+    for n in counts:
+        rows += range(start, start + n)
+        start += n + 1
+    drafts.feed(rows).apply(draft)
     has_draft = draft >= 0
     safe_draft = draft.clamp_min(0)[:, None]
 
@@ -81,7 +88,7 @@ def verify(
         ],
         1,
     )
-    return PendingVerification(packed, seqs, [len(d) for d in drafts], k)
+    return PendingVerification(packed, seqs, counts, k)
 
 
 class PendingVerification:
