@@ -59,7 +59,7 @@ class Proposer:
         drafts = Drafts.none(len(seqs))
         if not order:
             return drafts
-        inputs, hidden, last_rows = [], [], []
+        inputs, hidden, last_rows, num_rows = [], [], [], 0
         for i in order:
             seq = seqs[i]
             start, rows = seq.drafter_backlog
@@ -68,7 +68,8 @@ class Proposer:
                 StepInput(seq.token_ids[start + 1 : start + 1 + len(rows)], start, seq.block_tables)
             )
             hidden.append(rows)
-            last_rows.append(sum(len(h) for h in hidden) - 1)
+            num_rows += len(rows)
+            last_rows.append(num_rows - 1)
         drafting = [(i, row) for i, row in zip(order, last_rows) if num_drafts[i] > 0]
         tokens, state = self._forward(
             inputs, torch.cat(hidden), 0, [row for _, row in drafting], None
