@@ -77,14 +77,16 @@ def verify(
         accept = has_draft & (u < forced_acceptance)
 
     emitted = torch.where(accept, draft, fallback)
-    logprobs = logits.log_softmax(-1)
+    # The whole log_softmax only where top logprobs are asked: a verify step has k + 1
+    # rows of the vocabulary per sequence.
     k = max((s.params.logprobs or 0 for s in seqs), default=0)
+    normaliser = logits.logsumexp(-1, keepdim=True)
     packed = torch.cat(
         [
             emitted[:, None].double(),
-            logprobs.gather(1, emitted[:, None]).double(),
+            (logits.gather(1, emitted[:, None]) - normaliser).double(),
             accept[:, None].double(),
-            *topk_columns(logprobs, k),
+            *(topk_columns(logits - normaliser, k) if k else []),
         ],
         1,
     )
