@@ -27,7 +27,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom.config import ConfigError
@@ -35,6 +34,7 @@ from atom.distributed import divide, get_tp_group
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.kernels.causal_conv1d import CAUSAL_CONV1D_OP, causal_conv1d
 from atom.kernels.gated_delta import GATED_DELTA_RULE_OP, gated_delta_rule
+from atom.kernels.gated_delta_gates import gated_delta_gates
 from atom.kernels.policy import is_capturable
 from atom.layers.linear import RowParallelLinear, copy_shard, copy_weight
 from atom.layers.norm import GatedRMSNorm
@@ -145,6 +145,8 @@ class GatedDeltaNet(nn.Module):
         raise NotImplementedError
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(mixed [T, conv_dim], z [T, Hv, Dv], b, a): b and a [T, Hv], or [T, Hk, Hv / Hk]
+        grouped by key head (atom.kernels.gated_delta_gates)."""
         raise NotImplementedError
 
     def _load_conv_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -208,8 +210,7 @@ class GatedDeltaNet(nn.Module):
             metadata.has_initial_state,
         )
         mixed, z, b, a = self.project(x)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        beta = b.sigmoid()
+        g, beta = gated_delta_gates(a, b, self.A_log, self.dt_bias)
         if metadata.state_checkpoints is not None:
             metadata.state_checkpoints.keep(self, conv_state, ssm_state, mixed, g, beta)
         out = self._mix(

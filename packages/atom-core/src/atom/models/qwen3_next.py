@@ -130,12 +130,8 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
         for part, start in zip((q, k, v), (0, self.key_dim, 2 * self.key_dim)):
             width = heads * part.shape[-1]
             mixed[:, start : start + width].view(num_tokens, heads, -1).copy_(part)
-        return (
-            mixed,
-            z.reshape(num_tokens, self.num_v_heads, self.head_v_dim),
-            b.reshape(num_tokens, self.num_v_heads),
-            a.reshape(num_tokens, self.num_v_heads),
-        )
+        # b and a stay as the projection groups them (gated_delta_gates reads them there).
+        return mixed, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim), b, a
 
 
 class GatedAttention(nn.Module):

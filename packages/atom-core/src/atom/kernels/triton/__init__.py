@@ -9,6 +9,7 @@ from atom.kernels.triton import (
     fused_moe_mxfp4,
     fused_qkv,
     gated_delta,
+    gated_delta_gates,
     indexer,
     kv_cache,
     mla,  # noqa: F401  (registers the MLA kernels)
@@ -30,6 +31,7 @@ __all__ = [
     "fused_moe_mxfp4",
     "fused_qkv",
     "gated_delta",
+    "gated_delta_gates",
     "indexer",
     "kv_cache",
     "moe_routing",
