@@ -319,7 +319,7 @@ class ModelRunner:
                 return None
             arrays, token_rows = padded
             if feed is not None:
-                feed = TokenFeed(feed.tokens, token_rows[feed.rows].tolist(), feed.sources)
+                feed = feed.padded(token_rows)
         graphs = self.target_graphs[rows]
         if not graphs.can_run(arrays):
             return None
@@ -441,12 +441,12 @@ class ModelRunner:
         seq_ends = arrays.query_start_loc[1:]
         ragged = arrays.num_tokens != arrays.num_seqs * rows_per_seq
         if ragged:
-            if feed is not None:
-                return None  # the feed's rows index the batch as it is, unpadded
             padded = pad_rows_in_front(arrays, rows_per_seq)
             if padded is None:
                 return None
             arrays, token_rows = padded
+            if feed is not None:
+                feed = feed.padded(token_rows)
             index = torch.from_numpy(token_rows).to(hidden.device, non_blocking=True)
             hidden = hidden.new_zeros(arrays.num_tokens, hidden.shape[1]).index_copy_(
                 0, index, hidden

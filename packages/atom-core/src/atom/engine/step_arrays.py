@@ -40,6 +40,10 @@ class TokenFeed:
         index = torch.tensor([self.rows, self.sources]).to(input_ids.device, non_blocking=True)
         input_ids[index[0]] = self.tokens[index[1]]
 
+    def padded(self, token_rows: np.ndarray) -> TokenFeed:
+        """The feed of the batch `pad_rows_in_front` made, whose token i is row token_rows[i]."""
+        return TokenFeed(self.tokens, token_rows[self.rows].tolist(), self.sources)
+
 
 @dataclass
 class StepArrays:
