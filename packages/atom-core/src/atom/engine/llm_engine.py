@@ -23,7 +23,7 @@ from atom.engine.sampler import PendingSamples, Sampler, prompt_logprob_entries,
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
 from atom.engine.state_cache import StateSlots, num_state_slots
-from atom.engine.step_arrays import StepInput, TokenFeed
+from atom.engine.step_arrays import FED_TOKEN, StepInput, TokenFeed
 from atom.sampling_params import SamplingParams
 from atom.speculative.config import check_engine_config
 from atom.speculative.draft_policy import DraftPolicy
@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 # Stands on the host for a token sampled by a step still in flight.
 PLACEHOLDER_TOKEN = -1
-# Stands in a verify step's inputs for a draft, which the drafter left on the device.
-DRAFT_TOKEN = 0
 
 
 @dataclass
@@ -566,7 +564,7 @@ class _StepPlan:
         for i, (seq, n, d) in enumerate(zip(seqs, num_new_tokens, num_drafts)):
             self.token_starts.append(offset)
             start = seq.num_computed_tokens
-            tokens = seq.token_ids[start : start + n - d] + [DRAFT_TOKEN] * d
+            tokens = seq.token_ids[start : start + n - d] + [FED_TOKEN] * d
             self.inputs.append(StepInput(tokens, start, seq.block_tables, seq.state_slot))
             if d:
                 self.verified.append((seq, d))

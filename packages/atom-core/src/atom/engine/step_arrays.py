@@ -27,6 +27,10 @@ class StepInput:
     state_slot: int | None = None  # its row in a hybrid model's state pools
 
 
+# Stands in a step's input tokens for one a TokenFeed supplies on the device.
+FED_TOKEN = 0
+
+
 @dataclass
 class TokenFeed:
     """Input tokens that are still on the device (sampled by the step before, not yet

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from atom.engine.sequence import Sequence
-from atom.engine.step_arrays import StepInput, TokenFeed
+from atom.engine.step_arrays import FED_TOKEN, StepInput, TokenFeed
 from atom.speculative.drafts import Drafts
 
 # One drafter forward over a StepInput list, the hidden states it reads, the draft step and
@@ -87,7 +87,7 @@ class Proposer:
                 inputs = [
                     # Token q + step (fed from the step before), at position q + step - 1
                     # (q: the last known token's).
-                    StepInput([0], len(seqs[i].token_ids) + step - 2, seqs[i].block_tables)
+                    StepInput([FED_TOKEN], len(seqs[i].token_ids) + step - 2, seqs[i].block_tables)
                     for i in ids
                 ]
                 feed = TokenFeed(tokens, list(range(len(ids))), keep)
