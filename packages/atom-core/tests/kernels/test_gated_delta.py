@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from atom.kernels.causal_conv1d import causal_conv1d
 from atom.kernels.gated_delta import gated_delta_rule
+from atom.kernels.gated_delta_gates import gated_delta_gates
 
 LENGTHS = [1, 5, 1, 9, 3]
 SLOTS = [4, 0, 6, 2, 5]
@@ -144,3 +145,17 @@ def test_unknown_activation_is_rejected():
     with pytest.raises(ValueError, match="activation='gelu'"):
         causal_conv1d(torch.zeros(1, 2), torch.zeros(2, 4), None, torch.zeros(1, 2, 3),
                       *batch_tensors(), activation="gelu")  # fmt: skip
+
+
+@pytest.mark.parametrize("num_tokens", [0, 5])
+def test_gates_of_grouped_projections_follow_their_formulas(num_tokens):
+    """The gates' torch op: value heads grouped by key head ([T, Hk, Hv / Hk], as
+    Qwen3-Next's projection leaves them) read in head order; a step of no tokens too."""
+    generator = torch.Generator().manual_seed(3)
+    b, a = torch.randn(num_tokens, 2, 6, generator=generator).split(3, dim=-1)
+    A_log, dt_bias = torch.randn(2, 6, generator=generator)
+    g, beta = gated_delta_gates(a, b, A_log, dt_bias)
+    flat_a, flat_b = a.reshape(num_tokens, 6).double(), b.reshape(num_tokens, 6).double()
+    want_g = -A_log.double().exp() * torch.log1p((flat_a + dt_bias.double()).exp())
+    torch.testing.assert_close(g.double(), want_g, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(beta.double(), 1 / (1 + (-flat_b).exp()), rtol=1e-6, atol=1e-7)

@@ -20,8 +20,8 @@ from atom.kernels.triton.gated_delta_gates import gated_delta_gates  # noqa: E40
 
 
 def reference(a, b, A_log, dt_bias):
-    a = a.reshape(a.shape[0], -1).double()
-    b = b.reshape(b.shape[0], -1).double()
+    a = a.reshape(a.shape[0], A_log.shape[0]).double()
+    b = b.reshape(b.shape[0], A_log.shape[0]).double()
     return -A_log.double().exp() * F.softplus(a + dt_bias.double()), b.sigmoid()
 
 
@@ -38,7 +38,7 @@ def projection(num_tokens, key_heads, per_key, dtype, spread, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("num_tokens", "key_heads", "per_key"), [(1, 4, 2), (37, 2, 3), (130, 16, 2)]
+    ("num_tokens", "key_heads", "per_key"), [(0, 4, 2), (1, 4, 2), (37, 2, 3), (130, 16, 2)]
 )
 def test_gates_of_grouped_projections_match_the_reference(num_tokens, key_heads, per_key, dtype):
     a, b, A_log, dt_bias = projection(num_tokens, key_heads, per_key, dtype, spread=12.0)

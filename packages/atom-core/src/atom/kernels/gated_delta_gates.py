@@ -18,7 +18,8 @@ GATED_DELTA_GATES_OP = "gated_delta_gates"
 
 @register(GATED_DELTA_GATES_OP, "torch")
 def gated_delta_gates_torch(a, b, A_log, dt_bias):
-    a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+    heads = A_log.shape[0]
+    a, b = a.reshape(a.shape[0], heads), b.reshape(b.shape[0], heads)
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return g, b.sigmoid()
 
@@ -31,7 +32,7 @@ def gated_delta_gates(
     stride in its last dimension; A_log, dt_bias: [H]."""
     heads = A_log.shape[0]
     for name, x in (("a", a), ("b", b)):
-        if x.shape[0] != a.shape[0] or x[0].numel() != heads or x.dim() not in (2, 3):
+        if x.shape[0] != a.shape[0] or x.shape[1:].numel() != heads or x.dim() not in (2, 3):
             raise ValueError(
                 f"gated_delta_gates: {name} has shape {tuple(x.shape)}; expected "
                 f"[{a.shape[0]}, {heads}] or [{a.shape[0]}, G, {heads} / G]"
