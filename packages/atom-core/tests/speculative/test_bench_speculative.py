@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+from atom.bench.drafter import BENCH_DRAFT_VOCAB
 from atom.cli import main
 
 SPEC = '{"method": "eagle3", "num_speculative_tokens": 2, "forced_acceptance": 0.7}'
@@ -22,4 +23,6 @@ def test_bench_reports_the_accepted_length(tmp_path, capsys, monkeypatch):
     # Each draft accepted with probability 0.7 until the first rejection: 2.19 expected.
     assert 1.6 < result["mean_accepted_length"] < 2.8, result
     assert "tokens/verify step" in capsys.readouterr().out
-    assert list((tmp_path / "work" / "checkpoints").rglob("*.eagle3-random"))
+    (drafter,) = (tmp_path / "work" / "checkpoints").rglob("*.eagle3-random-*")
+    config = json.loads((drafter / "config.json").read_text())
+    assert config["draft_vocab_size"] == min(BENCH_DRAFT_VOCAB, config["vocab_size"])

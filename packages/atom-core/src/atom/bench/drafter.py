@@ -1,15 +1,21 @@
 """A random one-layer EAGLE-3 drafter for a bench shape, written next to its checkpoint.
 
 `atom bench --atom-option speculative_config='{"method": "eagle3", ...}'` without a
-"model" gets one (so does `--vllm-option`): with ATOM's `forced_acceptance` (vLLM's
-synthetic rejection sampling) the mechanism's cost is then measured at a chosen
-acceptance, whatever a random drafter would draft.
+"model" gets one (so does `--vllm-option`), shaped as the published drafters are: with
+ATOM's `forced_acceptance` (vLLM's synthetic rejection sampling) the mechanism's cost is
+then measured at a chosen acceptance, whatever a random drafter would draft.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+# The draft vocabulary of the published EAGLE-3 drafters for Llama-3.1-8B and Qwen3-8B: their
+# heads score 32k of the target's tokens. With Qwen3-8B's whole 152k vocabulary the head
+# would hold 2.3 times the weights of the drafter's layer and fc together, and dominate
+# each draft step.
+BENCH_DRAFT_VOCAB = 32_000
 
 
 def write_random_eagle3_drafter(
@@ -89,7 +95,8 @@ def with_random_drafter(model: str, options: dict) -> dict:
     spec = options.get("speculative_config")
     if not spec or spec.get("method") != "eagle3" or spec.get("model"):
         return options
-    folder = Path(model).with_name(Path(model).name + ".eagle3-random")
+    folder = Path(model).with_name(Path(model).name + f".eagle3-random-{BENCH_DRAFT_VOCAB}")
     if not (folder / "config.json").exists():
-        write_random_eagle3_drafter(Path(model), folder)
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        write_random_eagle3_drafter(Path(model), folder, min(BENCH_DRAFT_VOCAB, vocab))
     return options | {"speculative_config": spec | {"model": str(folder)}}
