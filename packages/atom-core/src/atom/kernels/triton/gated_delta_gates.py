@@ -11,7 +11,7 @@ from atom.kernels.gated_delta_gates import GATED_DELTA_GATES_OP
 from atom.kernels.policy import capturable, register
 
 # softplus(x) = x above it, as torch's (beta 1, threshold 20).
-SOFTPLUS_THRESHOLD = 20.0
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 
 @triton.jit
