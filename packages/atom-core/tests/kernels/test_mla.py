@@ -10,7 +10,7 @@ import torch
 
 from atom.forward_context import AttentionMetadata
 from atom.kernels import mla_attention, write_mla_cache
-from atom.kernels.mla import MAX_DECODE_QUERIES, few_queries_as_decodes
+from atom.kernels.few_queries import MAX_DECODE_QUERIES, few_queries_as_decodes
 
 HEADS, NOPE, ROPE, LATENT, VALUE = 4, 16, 8, 32, 12
 SCALE = (NOPE + ROPE) ** -0.5

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from atom.forward_context import AttentionMetadata
+from atom.kernels.few_queries import few_queries_as_decodes
 from atom.kernels.mla import (
-    few_queries_as_decodes,
     mla_decode_attention_torch,
     mla_prefill_attention_torch,
     write_mla_cache_torch,

@@ -21,11 +21,11 @@ An fp8 latent cache (float8_e4m3fn) holds rows / kv_scale, one scale per layer
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 
 import torch
 
 from atom.forward_context import AttentionMetadata
+from atom.kernels.few_queries import few_queries_as_decodes
 from atom.kernels.kv_cache import dequantize_kv, quantize_kv
 from atom.kernels.paged_attention import (
     AttentionScoring,
@@ -173,22 +173,6 @@ def mla_prefill_attention(
     return dispatch("mla_prefill_attention", q_nope.device)(
         q_nope, q_pe, kv_cache, metadata, scale, w_uk, w_uv, out, kv_scale
     )
-
-
-# A speculative verify step's k + 1 tokens per sequence, and what a drafter's catch-up
-# runs: up to this many query tokens per sequence attend by the absorbed decode path.
-MAX_DECODE_QUERIES = 8
-
-
-def few_queries_as_decodes(metadata: AttentionMetadata) -> AttentionMetadata:
-    """A step whose every sequence has the same few new tokens (a speculative verify step)
-    as decodes of that many queries each: the absorbed path reads the cache once, where
-    the up-projected one would expand every context page per head, and it decides from
-    host-side sizes only, so the step stays capturable in a CUDA graph."""
-    n, q = metadata.num_seqs, metadata.max_query_len
-    if metadata.num_decodes or not 1 < q <= MAX_DECODE_QUERIES or metadata.num_tokens != n * q:
-        return metadata
-    return replace(metadata, num_decodes=n, num_decode_tokens=n * q)
 
 
 def mla_attention(

@@ -17,7 +17,7 @@ from atom.kernels import (
     write_indexer_keys,
     write_mla_cache,
 )
-from atom.kernels.mla import MAX_DECODE_QUERIES
+from atom.kernels.few_queries import MAX_DECODE_QUERIES
 from atom.kernels.policy import is_capturable
 from atom.layers.attention_spec import AttentionSpec
 from atom.layers.indexer import IndexerQuery
