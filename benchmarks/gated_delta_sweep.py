@@ -41,6 +41,7 @@ from benchmarks.timing import bench, interleaved, wall_ms
 VARIATIONS = {
     "block_v": [8, 16, 32, 64, 128],  # DecodeLaunch
     "num_warps": [1, 2, 4, 8],
+    "target_programs": [2048, 4096, 8192, 16384, 32768],
     "state_block_v": [16, 32, 64],  # ChunkLaunch
     "state_warps": [4, 8],
     "state_stages": [1, 2, 3, 4],

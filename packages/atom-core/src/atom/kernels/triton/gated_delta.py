@@ -63,12 +63,21 @@ DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 @dataclass(frozen=True)
 class DecodeLaunch:
     """Launch parameters of the recurrent (decode) kernel; benchmarks/gated_delta.py
-    --sweep --cases decode-B256 times alternatives by replacing DECODE_LAUNCH. Several Dv
-    tiles per head spread a small batch over the SMs. With a bf16 state this launch is no
-    longer bound by the state's bytes (docs/performance.md, "Gated delta decode launch")."""
+    --sweep --cases decode-B64 decode-B256 times alternatives by replacing DECODE_LAUNCH.
+    Several Dv tiles per head spread a small batch over the SMs; a large batch fills them
+    with whole heads, whose tiles load the keys and queries once instead of once a tile.
+    The Dv tile is the narrowest (block_v) that keeps the grid near target_programs: on
+    the H100 32 won at 64 sequences (32 value heads; 8,192 programs), 128 at 256
+    (8,192 programs; 1.38x faster than 32: docs/performance.md, "Gated delta decode
+    launch")."""
 
     block_v: int = 32
     num_warps: int = 4
+    target_programs: int = 8192
+
+    def tile_v(self, num_seqs: int, num_v_heads: int, full_v: int) -> int:
+        spread = triton.cdiv(num_seqs * num_v_heads * full_v, self.target_programs)
+        return min(full_v, max(self.block_v, triton.next_power_of_2(spread)))
 
     def __post_init__(self):
         if self.block_v < 1 or self.block_v & (self.block_v - 1):
@@ -457,7 +466,7 @@ def gated_delta_rule(
     state_strides = state.stride()
 
     if num_tokens == num_seqs:
-        block_v = min(full_v, DECODE_LAUNCH.block_v)
+        block_v = DECODE_LAUNCH.tile_v(num_seqs, num_v_heads, full_v)
         grid = (num_seqs, num_v_heads, triton.cdiv(dv, block_v))
         _recurrent_kernel[grid](
             q, k, v, g, beta, o, state, state_slots, query_start_loc, has_initial_state,
