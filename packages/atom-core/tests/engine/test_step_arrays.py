@@ -10,6 +10,7 @@ import torch
 
 from atom.engine.step_arrays import StepInput, build_step_arrays, pad_rows_in_front, upload
 from atom.forward_context import AttentionMetadata
+from atom.kernels.few_queries import MAX_DECODE_QUERIES
 
 BLOCK = 4
 
@@ -106,3 +107,7 @@ def test_padding_rows_in_front_needs_room():
     arrays = build_step_arrays([StepInput([1, 2], 1, [[3]]), StepInput([4], 0, [[5]])], BLOCK)
     assert pad_rows_in_front(arrays, 1) is None  # a sequence has more rows
     assert pad_rows_in_front(arrays, 2) is None  # no context to put a row in front of
+    long = build_step_arrays([StepInput([1], 40, [[3] * 11])], BLOCK)
+    assert pad_rows_in_front(long, MAX_DECODE_QUERIES) is not None
+    # More rows would take the prefill kernels, which read the padding's dense K/V.
+    assert pad_rows_in_front(long, MAX_DECODE_QUERIES + 1) is None

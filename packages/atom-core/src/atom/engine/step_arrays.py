@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from atom.forward_context import AttentionMetadata
+from atom.kernels.few_queries import MAX_DECODE_QUERIES
 
 
 @dataclass
@@ -123,7 +124,9 @@ def pad_rows_in_front(arrays: StepArrays, rows: int) -> tuple[StepArrays, np.nda
     """The batch as `rows` rows per sequence, each sequence's rows moved to the end of its
     span behind padding rows, and where each token went; None if a sequence has more rows,
     or too little context to sit the padding on, or recurrent state slots (a hybrid model's
-    state would take the padding rows in).
+    state would take the padding rows in), or more rows than attention takes as decodes
+    (MAX_DECODE_QUERIES: the prefill kernels read a step's new keys from its dense K/V,
+    which a padding row computes from no real token).
 
     A padding row sits at a position of the sequence just before its first new one: it
     reads that position's cached context and writes nowhere (slot -1), so the rows after it
@@ -134,6 +137,7 @@ def pad_rows_in_front(arrays: StepArrays, rows: int) -> tuple[StepArrays, np.nda
     padding = rows - query_lens
     if (
         arrays.state_slots is not None
+        or rows > MAX_DECODE_QUERIES
         or (padding < 0).any()
         or ((arrays.seq_lens - query_lens) < padding).any()
     ):
