@@ -421,7 +421,7 @@ class ModelRunner:
             output, state = drafter(input_ids, positions, hidden, step)
         if not rows:
             return None, state[:0]
-        index = torch.tensor(rows, device=output.device)
+        index = torch.tensor(rows).to(output.device, non_blocking=True)
         return drafter.draft_tokens(output[index], step), state[index]
 
     def _replay_draft(

@@ -82,7 +82,7 @@ class Proposer:
             if step:
                 keep = [j for j, i in enumerate(ids) if num_drafts[i] > step]
                 if len(keep) < len(ids):
-                    state = state[torch.tensor(keep, device=state.device)]
+                    state = state[torch.tensor(keep).to(state.device, non_blocking=True)]
                     ids = [ids[j] for j in keep]
                 inputs = [
                     # Token q + step (fed from the step before), at position q + step - 1

@@ -27,6 +27,12 @@ import torch
 from torch import nn
 
 
+def to_device(values: list[int], device: torch.device, dtype=torch.long) -> torch.Tensor:
+    # torch.tensor(..., device=cuda) copies blocking: the host would wait for the GPU's
+    # queued work (the drafter's steps) before it launches the verify step.
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass
 class _LayerRecord:
     conv: torch.Tensor  # [S, C, K-1] the sequences' conv states before the step
@@ -66,13 +72,9 @@ class StateCheckpoints:
             return
         offsets = [0, *accumulate(self.num_rows)]
         device = self.slots.device
-        rows = torch.tensor(
-            [offsets[i] + j for i in redo for j in range(kept_rows[i])], device=device
-        )
-        starts = torch.tensor(
-            [0, *accumulate(kept_rows[i] for i in redo)], dtype=torch.int32, device=device
-        )
-        which = torch.tensor(redo, device=device)
+        rows = to_device([offsets[i] + j for i in redo for j in range(kept_rows[i])], device)
+        starts = to_device([0, *accumulate(kept_rows[i] for i in redo)], device, torch.int32)
+        which = to_device(redo, device)
         slots = self.slots[which]
         for layer, record in self.records.items():
             layer.remix(
@@ -94,9 +96,9 @@ class ListedCheckpoints(StateCheckpoints):
     ):
         """slots: the verified sequences' state rows; row_starts, num_rows: their token rows
         in the step."""
-        super().__init__(torch.tensor(slots, dtype=torch.long, device=device), num_rows)
+        super().__init__(to_device(slots, device), num_rows)
         rows = [r for start, n in zip(row_starts, num_rows) for r in range(start, start + n)]
-        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
+        self.rows = to_device(rows, device)
 
     def keep(self, layer, conv_state, recurrent_state, mixed, g, beta) -> None:
         # Indexing by a tensor copies: the records outlive the step's updates.
