@@ -1,9 +1,11 @@
 """Speculative steps replaying real CUDA graphs (Triton kernels, fp32) give the target's
 greedy output token for token, and the same drafts as the eager speculative engine:
 the verify step (k + 1 tokens per sequence) and the drafter's steps, in batches padded
-to a captured size, through chunked prefill, prefix hits and preemption. MLA targets
-capture their verify step and multi-row catch-ups too (a few queries per sequence take
-the absorbed decode kernel, atom.kernels.mla.few_queries_as_decodes). Hybrid targets
+to a captured size, through chunked prefill, prefix hits and preemption. A few queries
+per sequence (verify steps, multi-row catch-ups) take the decode kernels
+(atom.kernels.few_queries), which read every key from the pages, as the rows padded in
+front of a ragged step need: the prefill kernel's dense K/V would give MHA targets other
+tokens on the GPU, where the CPU's torch reference reads pages only. Hybrid targets
 (Qwen3-Next) capture their verify step with the DeltaNet state checkpoints in it: the
 random drafter's drafts are all but always rejected, so nearly every verify step rolls
 back from what its replay kept."""
