@@ -27,7 +27,8 @@ def write_random_eagle3_drafter(
     seed: int = 0,
 ) -> Path:
     """A drafter of the target's width, heads and MLP size, in the target's dtype; with
-    draft_vocab_size below the target's vocabulary, `d2t` maps a random subset of it."""
+    draft_vocab_size below the target's vocabulary, `d2t` maps a random subset of it (at
+    most the whole vocabulary)."""
     import torch
     from safetensors.torch import save_file
 
@@ -40,7 +41,7 @@ def write_random_eagle3_drafter(
     n = config["num_hidden_layers"]
     # EAGLE-3's defaults (layers 2, N/2, N-3) need N >= 5; shallow shapes read 0, N/2, N.
     aux_layer_ids = aux_layer_ids or ([2, n // 2, n - 3] if n >= 5 else [0, n // 2, n])
-    draft_vocab = draft_vocab_size or vocab
+    draft_vocab = min(draft_vocab_size or vocab, vocab)
     dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32"))
     gen = torch.Generator().manual_seed(seed)
 
@@ -97,6 +98,5 @@ def with_random_drafter(model: str, options: dict) -> dict:
         return options
     folder = Path(model).with_name(Path(model).name + f".eagle3-random-{BENCH_DRAFT_VOCAB}")
     if not (folder / "config.json").exists():
-        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-        write_random_eagle3_drafter(Path(model), folder, min(BENCH_DRAFT_VOCAB, vocab))
+        write_random_eagle3_drafter(Path(model), folder, BENCH_DRAFT_VOCAB)
     return options | {"speculative_config": spec | {"model": str(folder)}}

@@ -23,6 +23,7 @@ from atom.engine.step_arrays import (
     TokenFeed,
     build_step_arrays,
     pad_rows_in_front,
+    to_device,
     upload,
 )
 from atom.forward_context import AttentionMetadata, set_forward_context
@@ -421,7 +422,7 @@ class ModelRunner:
             output, state = drafter(input_ids, positions, hidden, step)
         if not rows:
             return None, state[:0]
-        index = torch.tensor(rows).to(output.device, non_blocking=True)
+        index = to_device(rows, output.device)
         return drafter.draft_tokens(output[index], step), state[index]
 
     def _replay_draft(
@@ -476,4 +477,4 @@ def select_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """tensor[rows] for ascending `rows`; the tensor itself when they are all of its rows."""
     if len(rows) == tensor.shape[0]:
         return tensor
-    return tensor[torch.tensor(rows).to(tensor.device, non_blocking=True)]
+    return tensor[to_device(rows, tensor.device)]

@@ -32,6 +32,13 @@ class StepInput:
 FED_TOKEN = 0
 
 
+def to_device(values: list[int], device: torch.device, dtype=torch.long) -> torch.Tensor:
+    """A host list as a device tensor, without waiting: torch.tensor(..., device=cuda)
+    copies blocking, so the host would wait for the GPU's queued work (the drafter's
+    steps, say) before it could launch the next."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass
 class TokenFeed:
     """Input tokens that are still on the device (sampled by the step before, not yet

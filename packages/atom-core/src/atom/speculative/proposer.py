@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from atom.engine.sequence import Sequence
-from atom.engine.step_arrays import FED_TOKEN, StepInput, TokenFeed
+from atom.engine.step_arrays import FED_TOKEN, StepInput, TokenFeed, to_device
 from atom.speculative.drafts import Drafts
 
 # One drafter forward over a StepInput list, the hidden states it reads, the draft step and
@@ -82,7 +82,7 @@ class Proposer:
             if step:
                 keep = [j for j, i in enumerate(ids) if num_drafts[i] > step]
                 if len(keep) < len(ids):
-                    state = state[torch.tensor(keep).to(state.device, non_blocking=True)]
+                    state = state[to_device(keep, state.device)]
                     ids = [ids[j] for j in keep]
                 inputs = [
                     # Token q + step (fed from the step before), at position q + step - 1

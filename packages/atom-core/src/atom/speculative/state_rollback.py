@@ -26,11 +26,7 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-
-def to_device(values: list[int], device: torch.device, dtype=torch.long) -> torch.Tensor:
-    # torch.tensor(..., device=cuda) copies blocking: the host would wait for the GPU's
-    # queued work (the drafter's steps) before it launches the verify step.
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+from atom.engine.step_arrays import to_device
 
 
 @dataclass
